@@ -1,0 +1,294 @@
+"""Benchmark of the fused linear cross-entropy against its peers, on one CUDA GPU.
+
+Methods, side by side in one process (peers are optional imports, used as black boxes):
+fused-linear-ce; PyTorch eager (bf16 logits, F.cross_entropy in fp32); torch.compile of the
+same; Liger-Kernel's liger_fused_linear_cross_entropy; cut-cross-entropy's
+linear_cross_entropy (default, and filter_eps=None).
+
+For each shape, input kind and method: forward time under no_grad, training-step time
+(forward + backward, grads for hidden and weight), peak extra memory of one step and of
+one forward, and the relative errors of loss, grad_hidden and grad_weight against a
+float32 reference on the same inputs. Times are medians of triton.testing.do_bench.
+
+    python benchmarks/bench.py --out results.json [--rows gemma2,llama3] [--methods ...]
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (hidden_size, vocab_size, n_tokens, dtype)
+ROWS = {
+    "gemma2": (2304, 256000, 8192, "bfloat16"),
+    "llama3": (4096, 128256, 8192, "bfloat16"),
+    "qwen25": (3584, 152064, 8192, "bfloat16"),
+    "llama2": (4096, 32000, 8192, "bfloat16"),
+    "llama3-n2048": (4096, 128256, 2048, "bfloat16"),
+    "llama3-n32768": (4096, 128256, 32768, "bfloat16"),
+    "llama3-n65536": (4096, 128256, 65536, "bfloat16"),
+    "llama2-fp32": (4096, 32000, 8192, "float32"),
+    "llama2-fp16": (4096, 32000, 8192, "float16"),
+}
+METHODS = ["fused-linear-ce", "torch", "torch.compile", "liger", "cce", "cce-exact"]
+IGNORE_FRACTION = 0.1
+
+
+def load_flce():
+    """The kernel as users load it: through ``kernels`` when installed, else the sources."""
+    try:
+        from kernels import get_kernel
+
+        os.environ.setdefault("LOCAL_KERNELS", f"qgallouedec/fused-linear-ce={ROOT}")
+        return get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True), "kernels"
+    except ImportError:
+        sys.path.insert(0, str(ROOT / "torch-ext"))
+        import fused_linear_ce
+
+        return fused_linear_ce, "torch-ext"
+
+
+# ---- inputs ----------------------------------------------------------------------------
+def make_inputs(n_tokens, hidden_size, vocab_size, dtype, kind, seed=0):
+    """hidden [N, H], weight [V, H], targets [N] (10% ignored).
+
+    "lm": logits = 8 - 1.2 log(1 + rank_j) + 2 g_ij (a Zipf prior over a random ranking of
+    the vocabulary, plus per-row Gaussian noise), targets drawn from that softmax: about
+    5 nats of entropy and 26% top-1 accuracy, as a trained LM. The prior rides on hidden
+    column 0 (constant) so that logits stay exactly hidden @ weight.T.
+    "uniform": logits ~ N(0, 1), targets uniform.
+    """
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    weight = torch.randn(vocab_size, hidden_size, generator=g, **dev)
+    hidden = torch.randn(n_tokens, hidden_size, generator=g, **dev) / math.sqrt(hidden_size)
+    if kind == "lm":
+        rank = torch.randperm(vocab_size, generator=g, **dev).float()
+        prior = 8.0 - 1.2 * torch.log1p(rank)
+        scale = 4.0
+        weight[:, 0] = prior / scale
+        hidden[:, 0] = scale
+        hidden[:, 1:] *= 2.0 * math.sqrt(hidden_size / (hidden_size - 1))
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    if kind == "lm":
+        targets = torch.empty(n_tokens, dtype=torch.long, **dev)
+        for start in range(0, n_tokens, 2048):  # sample from the softmax, chunk by chunk
+            logits = hidden[start:start + 2048].float() @ weight.float().T
+            targets[start:start + 2048] = torch.multinomial(logits.softmax(-1), 1, generator=g)[:, 0]
+    else:
+        targets = torch.randint(0, vocab_size, (n_tokens,), generator=g, **dev)
+    ignored = torch.rand(n_tokens, generator=g, **dev) < IGNORE_FRACTION
+    targets[ignored] = -100
+    return hidden, weight, targets
+
+
+# ---- methods ---------------------------------------------------------------------------
+def torch_loss(hidden, weight, targets):
+    logits = hidden @ weight.T
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100)
+
+
+def make_method(name, flce):
+    if name == "fused-linear-ce":
+        return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t)
+    if name == "torch":
+        return torch_loss
+    if name == "torch.compile":
+        return torch.compile(torch_loss, dynamic=False)
+    if name == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t)
+    if name in ("cce", "cce-exact"):
+        from cut_cross_entropy import linear_cross_entropy
+
+        if name == "cce":
+            return lambda h, w, t: linear_cross_entropy(h, w, t)
+        return lambda h, w, t: linear_cross_entropy(h, w, t, filter_eps=None)
+    raise ValueError(name)
+
+
+def reference(hidden, weight, targets):
+    """float32 loss and gradients (full fp32 matmuls), chunked over rows."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    w = weight.float().requires_grad_()
+    n_valid = (targets != -100).sum()
+    loss = torch.zeros((), device="cuda")
+    grad_h = torch.empty(hidden.shape, device="cuda")
+    for start in range(0, hidden.shape[0], 4096):
+        h = hidden[start:start + 4096].float().requires_grad_()
+        part = F.cross_entropy(h @ w.T, targets[start:start + 4096], ignore_index=-100, reduction="sum") / n_valid
+        part.backward()
+        grad_h[start:start + 4096] = h.grad
+        loss += part.detach()
+    torch.backends.cuda.matmul.allow_tf32 = prev
+    return loss, grad_h, w.grad
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref).norm() / ref.norm()).item()
+
+
+def measure(fn, hidden, weight, targets, ref, rep_ms):
+    """fwd ms, step ms, peak MiB of a step and of a forward, and errors for one method."""
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+
+    def step():
+        h.grad = w.grad = None
+        fn(h, w, targets).backward()
+
+    def fwd():
+        with torch.no_grad():
+            fn(h, w, targets)
+
+    step()  # compile, autotune
+    fwd()
+    torch.cuda.synchronize()
+    out = {}
+    for name, f in (("fwd_ms", fwd), ("step_ms", step)):
+        out[name] = do_bench(f, warmup=100, rep=rep_ms, return_mode="median")
+    # peak extra memory of one step / forward, above what is allocated before it
+    for name, f in (("step_peak_mib", step), ("fwd_peak_mib", fwd)):
+        h.grad = w.grad = None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        f()
+        torch.cuda.synchronize()
+        out[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    grads_mib = (h.numel() + w.numel()) * h.element_size() / 2**20
+    out["step_peak_minus_grads_mib"] = out["step_peak_mib"] - grads_mib
+    if ref is not None:
+        h.grad = w.grad = None
+        loss = fn(h, w, targets)
+        loss.backward()
+        out["loss_err"] = abs(loss.item() - ref[0].item()) / abs(ref[0].item())
+        out["grad_hidden_err"] = rel_err(h.grad, ref[1])
+        out["grad_weight_err"] = rel_err(w.grad, ref[2])
+        out["loss"] = loss.item()
+    h.grad = w.grad = None
+    return out
+
+
+def environment():
+    props = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        driver = None
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    for pkg in ("liger_kernel", "cut_cross_entropy", "kernels"):
+        try:
+            from importlib.metadata import version
+
+            versions[pkg] = version(pkg.replace("_", "-"))
+        except Exception:
+            versions[pkg] = None
+    return {
+        "gpu": props.name, "sm_count": props.multi_processor_count, "driver": driver,
+        "versions": versions, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+
+
+def matmul_peak_tflops():
+    """bf16 8192^3 product through PyTorch on random data: the ceiling used for fractions."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    return 2 * 8192**3 / ms / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows: " + ", ".join(ROWS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--inputs", default="lm,uniform", help="lm, uniform or both")
+    parser.add_argument("--rep-ms", type=float, default=400)
+    parser.add_argument("--errors-rows", default="gemma2,llama3,qwen25,llama2,llama2-fp32,llama2-fp16",
+                        help="rows whose errors against the fp32 reference are measured")
+    parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
+    args = parser.parse_args()
+
+    flce, loaded_from = load_flce()
+    result = {"environment": environment(), "loaded_from": loaded_from, "matmul_tflops": matmul_peak_tflops(),
+              "results": []}
+    print(f"# {result['environment']['gpu']}, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    methods = []
+    for name in args.methods.split(","):
+        try:
+            methods.append((name, make_method(name, flce)))
+        except ImportError as e:
+            print(f"# skipping {name}: {e}", flush=True)
+            result.setdefault("skipped", {})[name] = str(e)
+
+    for row in args.rows.split(","):
+        hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
+        for kind in args.inputs.split(","):
+            hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), kind)
+            ref = reference(hidden, weight, targets) if row in args.errors_rows.split(",") else None
+            with torch.no_grad():
+                _, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
+            n_valid = (targets != -100).sum().item()
+            info = {"row": row, "inputs": kind, "hidden_size": hidden_size, "vocab_size": vocab_size,
+                    "n_tokens": n_tokens, "dtype": dtype, "n_valid": n_valid,
+                    "mean_entropy": metrics["entropy_sum"].item() / n_valid,
+                    "top1_accuracy": metrics["num_correct_tokens"].item() / n_valid}
+            flops = 2 * n_tokens * vocab_size * hidden_size
+            for name, fn in methods:
+                t0 = time.time()
+                try:
+                    out = measure(fn, hidden, weight, targets, ref, args.rep_ms)
+                except torch.OutOfMemoryError as e:
+                    out = {"error": f"out of memory: {e}"[:200]}
+                except Exception as e:  # a peer failing on a shape is a result, not a crash
+                    out = {"error": f"{type(e).__name__}: {e}"[:300]}
+                torch.cuda.empty_cache()
+                if "fwd_ms" in out:
+                    out["fwd_tflops"] = flops / out["fwd_ms"] / 1e9
+                    out["step_tflops_6nvh"] = 3 * flops / out["step_ms"] / 1e9
+                out["wall_s"] = time.time() - t0
+                entry = {**info, "method": name, **out}
+                result["results"].append(entry)
+                print(json.dumps(entry), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(result, indent=1))
+            del hidden, weight, targets, ref
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print_table(result)
+
+
+def print_table(result):
+    print(f"\n{'row':14} {'in':7} {'method':16} {'fwd ms':>8} {'step ms':>8} {'peak MiB':>9} {'-grads':>8} "
+          f"{'loss err':>9} {'gh err':>8} {'gw err':>8}")
+    for r in result["results"]:
+        if "error" in r:
+            print(f"{r['row']:14} {r['inputs']:7} {r['method']:16} {r['error'][:60]}")
+            continue
+        errs = " ".join(f"{r.get(k, float('nan')):8.1e}" for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
+        print(f"{r['row']:14} {r['inputs']:7} {r['method']:16} {r['fwd_ms']:8.2f} {r['step_ms']:8.2f} "
+              f"{r['step_peak_mib']:9.0f} {r['step_peak_minus_grads_mib']:8.0f} {errs}")
+
+
+if __name__ == "__main__":
+    main()

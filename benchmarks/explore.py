@@ -1,0 +1,86 @@
+"""Design exploration on one GPU: the kernel's variants (tile width, TMA, chunk size) side by
+side, and where the time of a training step goes (torch.profiler, per kernel).
+
+    python benchmarks/explore.py --rows llama3,gemma2 --variants "BLOCK_V=256,TMA=1;BLOCK_V=128,TMA=1"
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import ROWS, load_flce, make_inputs, reference, rel_err  # noqa: E402
+
+
+def step_and_fwd(flce, hidden, weight, targets, rep_ms):
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+
+    def step():
+        h.grad = w.grad = None
+        flce.fused_linear_cross_entropy(h, w, targets).backward()
+
+    def fwd():
+        with torch.no_grad():
+            flce.fused_linear_cross_entropy(h, w, targets)
+
+    step()
+    fwd()
+    return do_bench(fwd, warmup=100, rep=rep_ms, return_mode="median"), \
+        do_bench(step, warmup=100, rep=rep_ms, return_mode="median"), step, (h, w)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="llama3,gemma2")
+    parser.add_argument("--variants", default="BLOCK_V=256,TMA=1;BLOCK_V=256,TMA=0;BLOCK_V=128,TMA=1")
+    parser.add_argument("--rep-ms", type=float, default=300)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    flce, _ = load_flce()
+    records = []
+    for row in args.rows.split(","):
+        hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
+        hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
+        ref = reference(hidden, weight, targets)
+        flops = 2 * n_tokens * vocab_size * hidden_size
+        for variant in args.variants.split(";"):
+            env = dict(kv.split("=") for kv in variant.split(",") if kv)
+            for k, v in env.items():
+                os.environ[f"FLCE_{k}"] = v
+            try:
+                fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms)
+                h.grad = w.grad = None
+                loss = flce.fused_linear_cross_entropy(h, w, targets)
+                loss.backward()
+                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "step_ms": step_ms,
+                       "fwd_tflops": flops / fwd_ms / 1e9, "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
+                       "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
+                       "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}
+                if args.profile:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(3):
+                            step()
+                        torch.cuda.synchronize()
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+                    print(table, flush=True)
+            except Exception as e:  # a variant that fails to compile is a result
+                rec = {"row": row, "variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
+            for k in env:
+                os.environ.pop(f"FLCE_{k}")
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+            if args.out:
+                Path(args.out).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()

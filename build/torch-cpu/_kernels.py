@@ -1,0 +1,444 @@
+"""Triton kernels of the fused linear cross-entropy. Kernels only: no allocation, no launch.
+
+Notation, for a row i of ``hidden`` (h_i), a vocabulary entry j and a target t_i:
+
+    u_ij  = h_i . w_j + b_j                        raw logit (fp32 accumulator of tl.dot)
+    z_ij  = s * u_ij                               s = logit_scale
+    z_ij <- c * tanh(z_ij / c)                     when a softcap c is set
+    lse_i = log sum_j exp(z_ij)
+    loss_i = lse_i - (1 - eps) z_it - (eps / V) sum_j z_ij + k lse_i^2
+                                                   eps = label_smoothing, k = z_loss_scale
+    d loss_i / d z_ij = p_ij (1 + 2 k lse_i) - (1 - eps) [j == t_i] - eps / V,   p = softmax(z_i)
+    d z_ij / d u_ij   = s (1 - (z_ij / c)^2)       (s alone without a softcap)
+    grad_hidden = G @ W,  grad_weight = G^T @ H,  grad_bias = sum_i G_i   with G = d loss / d u
+
+The vocabulary is cut into tiles of BLOCK_V columns. For each (row, tile) the logit kernel
+reduces the tile to a few numbers that can be merged in any grouping (online softmax):
+
+    m  = max_j z_j                       tile max
+    s  = sum_j exp(z_j - m)              sum of exponentials relative to m
+    a  = sum_j exp(z_j - m) (m - z_j)    entropy term relative to m (>= 0)
+    arg = first j with z_j == m          (PyTorch's argmax tie-break)
+
+Two partial states (m1, s1, a1) and (m2, s2, a2) merge into M = max(m1, m2) with
+s = sum_k exp(m_k - M) s_k and a = sum_k exp(m_k - M) (a_k + s_k (M - m_k)); at the end
+lse = M + log s and the softmax entropy is log s + a / s (no cancellation: every term >= 0).
+"""
+
+import triton
+import triton.language as tl
+
+# Modes of the logit kernel.
+MODE_STATS = 0  # tile statistics only (loss, metrics)
+MODE_STATS_AND_SHIFTED = 1  # tile statistics, and z - tile_max stored to a bounded buffer
+MODE_GRAD_LOGITS = 2  # lse is known: store grad logits G directly
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow for large |x|.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _grad_logits(
+    probs,  # [BLOCK_N, BLOCK_V] fp32 softmax
+    logits,  # [BLOCK_N, BLOCK_V] fp32 final logits z (used with a softcap only)
+    is_target,  # [BLOCK_N, BLOCK_V] bool
+    lse,  # [BLOCK_N] fp32
+    loss_grad,  # [BLOCK_N] fp32 d out / d loss_i, 0 on ignored rows
+    lse_grad,  # [BLOCK_N] fp32 d out / d lse_i (HAS_LSE_GRAD)
+    inv_vocab_size,
+    logit_scale,
+    softcap,
+    label_smoothing,
+    z_loss_scale,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+):
+    """d out / d u for one tile: the gradient with respect to the raw logits h.w + b."""
+    prob_coef = loss_grad
+    if HAS_Z_LOSS:
+        prob_coef = prob_coef * (1.0 + 2.0 * z_loss_scale * lse)
+    if HAS_LSE_GRAD:
+        prob_coef = prob_coef + lse_grad
+    target_coef = loss_grad
+    if HAS_SMOOTHING:
+        target_coef = loss_grad * (1.0 - label_smoothing)
+    grad = probs * prob_coef[:, None] - tl.where(is_target, target_coef[:, None], 0.0)
+    if HAS_SMOOTHING:
+        grad = grad - (loss_grad * (label_smoothing * inv_vocab_size))[:, None]
+    if HAS_SOFTCAP:
+        capped = logits / softcap
+        grad = grad * (1.0 - capped * capped)
+    grad = grad * logit_scale
+    # Rows with no gradient (ignored targets) stay exactly 0, even with non-finite logits.
+    keep = loss_grad != 0.0
+    if HAS_LSE_GRAD:
+        keep = keep | (lse_grad != 0.0)
+    return tl.where(keep[:, None], grad, 0.0)
+
+
+@triton.jit
+def _logit_tile_kernel(
+    # pointers (or TMA descriptors for hidden and weight when USE_TMA)
+    hidden_ptr,  # [n_rows, H]
+    weight_ptr,  # [V, H]
+    bias_ptr,  # [V]                                   (HAS_BIAS)
+    targets_ptr,  # [n_rows] int
+    tile_max_ptr,  # [n_rows, num_tiles] fp32            (modes 0, 1)
+    tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32        (modes 0, 1)
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32        (RETURN_METRICS)
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32        (RETURN_METRICS)
+    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32      (HAS_SMOOTHING)
+    target_logit_ptr,  # [n_rows] fp32, written by the tile that holds the target
+    out_ptr,  # [n_rows, V] shifted logits (mode 1) or grad logits (mode 2)
+    lse_ptr,  # [n_rows] fp32                              (mode 2)
+    loss_grad_ptr,  # [n_rows] fp32                        (mode 2)
+    lse_grad_ptr,  # [n_rows] fp32                         (mode 2, HAS_LSE_GRAD)
+    # sizes
+    n_rows,
+    vocab_size,
+    hidden_size,
+    # strides
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_out_n,
+    # scalars
+    logit_scale,
+    softcap,
+    label_smoothing,
+    z_loss_scale,
+    # meta-parameters
+    MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+    RETURN_METRICS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One (BLOCK_N rows) x (BLOCK_V vocabulary entries) tile of logits, reduced in registers.
+
+    The tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
+    then bias, scale and softcap are applied. Mode 0 writes the tile statistics and, from
+    the tile that holds it, the target logit; mode 1 also stores ``z - tile_max`` to
+    ``out``; mode 2 (lse known) stores the gradient with respect to the raw logits.
+    Row blocks vary fastest with the program id, so the programs running together share
+    one weight tile in L2 while the hidden rows of a chunk stay cached.
+    """
+    pid = tl.program_id(0)
+    num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
+    pid_n = pid % num_row_blocks
+    pid_v = pid // num_row_blocks
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    row_mask = offs_n < n_rows
+    col_mask = offs_v < vocab_size
+
+    # ---- logits tile: hidden[rows] @ weight[cols].T, fp32 accumulator -----------------
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+    if USE_TMA:
+        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+            h = hidden_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+            w = weight_ptr.load([pid_v * BLOCK_V, k * BLOCK_K])  # [BLOCK_V, BLOCK_K]
+            acc = tl.dot(h, w.T, acc, input_precision=INPUT_PRECISION)
+    else:
+        # Wrap out-of-range rows and columns onto valid ones so that only K needs a mask;
+        # their results are discarded below. Offsets in int64: n * H and v * H can pass 2^31.
+        load_n = (offs_n % n_rows).to(tl.int64)
+        load_v = (offs_v % vocab_size).to(tl.int64)
+        h_ptrs = hidden_ptr + load_n[:, None] * stride_hn + offs_k[None, :] * stride_hk
+        w_ptrs = weight_ptr + load_v[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+            if EVEN_K:
+                h = tl.load(h_ptrs)  # [BLOCK_N, BLOCK_K]
+                w = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_V]
+            else:
+                k_mask = offs_k < hidden_size - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+            h_ptrs += BLOCK_K * stride_hk
+            w_ptrs += BLOCK_K * stride_wk
+
+    # ---- bias, scale, softcap -----------------------------------------------------------
+    logits = acc
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+        logits = logits + bias[None, :]
+    logits = logits * logit_scale
+    if HAS_SOFTCAP:
+        logits = softcap * _tanh(logits / softcap)
+    logits = tl.where(col_mask[None, :], logits, float("-inf"))
+
+    targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
+    is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
+    offs_n64 = offs_n.to(tl.int64)
+    out_ptrs = out_ptr + offs_n64[:, None] * stride_out_n + offs_v[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+
+    if MODE == 2:
+        lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
+        loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        lse_grad = loss_grad
+        if HAS_LSE_GRAD:
+            lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        probs = tl.exp(logits - lse[:, None])
+        grad = _grad_logits(
+            probs, logits, is_target, lse, loss_grad, lse_grad, 1.0 / vocab_size,
+            logit_scale, softcap, label_smoothing, z_loss_scale,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD,
+        )
+        grad = tl.where(out_mask, grad, 0.0)
+        tl.store(out_ptrs, grad.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # ---- tile statistics --------------------------------------------------------------
+        tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
+        # A row whose tile is all -inf (masked vocabulary) keeps s = 0 and no NaN.
+        safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        shifted = logits - safe_max[:, None]  # z - m <= 0
+        exp_shifted = tl.exp(shifted)
+        sum_exp = tl.sum(exp_shifted, axis=1)
+        stat_offs = offs_n64 * num_tiles + pid_v
+        tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
+        tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
+        if RETURN_METRICS:
+            entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * shifted, 0.0), axis=1)
+            tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
+            is_max = logits == tile_max[:, None]
+            argmax = tl.min(tl.where(is_max, offs_v[None, :], 2147483647), axis=1)
+            tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
+        if HAS_SMOOTHING:
+            logit_sum = tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+            tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
+        target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+        has_target = (targets >= pid_v * BLOCK_V) & (targets < pid_v * BLOCK_V + BLOCK_V)
+        tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
+        if MODE == 1:
+            tl.store(out_ptrs, shifted.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_tiles_kernel(
+    # pointers
+    tile_max_ptr,  # [n_rows, num_tiles] fp32
+    tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32   (RETURN_METRICS)
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32   (RETURN_METRICS)
+    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32 (HAS_SMOOTHING)
+    row_max_ptr,  # [n_rows] fp32 out
+    row_sum_exp_ptr,  # [n_rows] fp32 out, relative to row_max
+    row_entropy_ptr,  # [n_rows] fp32 out, entropy term relative to row_max (RETURN_METRICS)
+    row_argmax_ptr,  # [n_rows] int64 out (RETURN_METRICS)
+    row_logit_sum_ptr,  # [n_rows] fp32 out (HAS_SMOOTHING)
+    # sizes
+    n_rows,
+    num_tiles,
+    # meta-parameters
+    RETURN_METRICS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Merges the per-tile statistics of each row, in tile order (deterministic)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    row_mask = offs_r < n_rows
+    base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
+
+    row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    for t in range(0, num_tiles, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
+        tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
+        row_max = tl.maximum(row_max, tl.max(tile_max, axis=1))
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+
+    sum_exp = tl.zeros((BLOCK_R,), tl.float32)
+    entropy_term = tl.zeros((BLOCK_R,), tl.float32)
+    logit_sum = tl.zeros((BLOCK_R,), tl.float32)
+    argmax = tl.full((BLOCK_R,), 2147483647, tl.int32)
+    for t in range(0, num_tiles, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
+        ptrs = base + offs_t[None, :]
+        tile_max = tl.load(tile_max_ptr + ptrs, mask=mask, other=float("-inf"))
+        tile_sum = tl.load(tile_sum_exp_ptr + ptrs, mask=mask, other=0.0)
+        live = tile_max > float("-inf")  # fully masked tiles contribute nothing
+        weight = tl.where(live, tl.exp(tile_max - safe_max[:, None]), 0.0)
+        sum_exp += tl.sum(weight * tile_sum, axis=1)
+        if RETURN_METRICS:
+            tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
+            gap = tl.where(live, safe_max[:, None] - tile_max, 0.0)
+            entropy_term += tl.sum(weight * (tile_entropy + tile_sum * gap), axis=1)
+            tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=2147483647)
+            at_max = mask & (tile_max == row_max[:, None])
+            argmax = tl.minimum(argmax, tl.min(tl.where(at_max, tile_argmax, 2147483647), axis=1))
+        if HAS_SMOOTHING:
+            logit_sum += tl.sum(tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0), axis=1)
+
+    tl.store(row_max_ptr + offs_r, row_max, mask=row_mask)
+    tl.store(row_sum_exp_ptr + offs_r, sum_exp, mask=row_mask)
+    if RETURN_METRICS:
+        tl.store(row_entropy_ptr + offs_r, entropy_term, mask=row_mask)
+        tl.store(row_argmax_ptr + offs_r, argmax.to(tl.int64), mask=row_mask)
+    if HAS_SMOOTHING:
+        tl.store(row_logit_sum_ptr + offs_r, logit_sum, mask=row_mask)
+
+
+@triton.jit
+def _finalize_rows_kernel(
+    # pointers
+    row_max_ptr,  # [n_rows] fp32
+    row_sum_exp_ptr,  # [n_rows] fp32, relative to row_max
+    row_entropy_ptr,  # [n_rows] fp32, relative to row_max (RETURN_METRICS)
+    row_argmax_ptr,  # [n_rows] int64 (RETURN_METRICS)
+    row_logit_sum_ptr,  # [n_rows] fp32 (HAS_SMOOTHING)
+    target_logit_ptr,  # [n_rows] fp32 (NaN where no tile held the target)
+    targets_ptr,  # [n_rows] int
+    lse_ptr,  # [n_rows] fp32 out
+    loss_ptr,  # [n_rows] fp32 out, 0 on ignored rows
+    correct_ptr,  # [n_rows] int32 out (RETURN_METRICS)
+    entropy_ptr,  # [n_rows] fp32 out, 0 on ignored rows (RETURN_METRICS)
+    # sizes and scalars
+    n_rows,
+    ignore_index,
+    inv_vocab_size,
+    label_smoothing,
+    z_loss_scale,
+    # meta-parameters
+    RETURN_METRICS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Per-row lse, loss, correctness and entropy from the merged row statistics."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = offs_r < n_rows
+    row_max = tl.load(row_max_ptr + offs_r, mask=row_mask, other=0.0)
+    sum_exp = tl.load(row_sum_exp_ptr + offs_r, mask=row_mask, other=1.0)
+    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=ignore_index)
+    valid = targets != ignore_index
+
+    log_sum_exp = tl.log(sum_exp)
+    lse = row_max + log_sum_exp
+    tl.store(lse_ptr + offs_r, lse, mask=row_mask)
+
+    target_logit = tl.load(target_logit_ptr + offs_r, mask=row_mask, other=0.0)
+    if HAS_SMOOTHING:
+        logit_sum = tl.load(row_logit_sum_ptr + offs_r, mask=row_mask, other=0.0)
+        loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * inv_vocab_size * logit_sum
+    else:
+        loss = lse - target_logit
+    if HAS_Z_LOSS:
+        loss = loss + z_loss_scale * lse * lse
+    tl.store(loss_ptr + offs_r, tl.where(valid, loss, 0.0), mask=row_mask)
+
+    if RETURN_METRICS:
+        argmax = tl.load(row_argmax_ptr + offs_r, mask=row_mask, other=-1)
+        correct = valid & (argmax == targets)
+        tl.store(correct_ptr + offs_r, correct.to(tl.int32), mask=row_mask)
+        entropy_term = tl.load(row_entropy_ptr + offs_r, mask=row_mask, other=0.0)
+        entropy = log_sum_exp + entropy_term / sum_exp
+        tl.store(entropy_ptr + offs_r, tl.where(valid, entropy, 0.0), mask=row_mask)
+
+
+@triton.jit
+def _grad_from_shifted_kernel(
+    # pointers
+    buffer_ptr,  # [n_rows, V] in: z - tile_max, out: grad logits (in place)
+    tile_max_ptr,  # [n_rows, num_tiles] fp32
+    lse_ptr,  # [n_rows] fp32
+    loss_grad_ptr,  # [n_rows] fp32, 0 on ignored rows
+    targets_ptr,  # [n_rows] int
+    bias_grad_ptr,  # [V] fp32 accumulator, added to (HAS_BIAS)
+    # sizes and strides
+    n_rows,
+    vocab_size,
+    stride_buf_n,
+    # scalars
+    logit_scale,
+    softcap,
+    label_smoothing,
+    z_loss_scale,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Turns the stored ``z - tile_max`` of a chunk into grad logits, in place.
+
+    One program owns BLOCK_V columns (one logit tile, so ``tile_max`` is one value a row)
+    and walks down all rows, which also gives the bias gradient's column sums without
+    atomics. p = exp((z - m) + m - lse).
+    """
+    pid_v = tl.program_id(0)
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_v < vocab_size
+    bias_grad = tl.zeros((BLOCK_V,), tl.float32)
+    for n0 in range(0, n_rows, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row_mask = offs_n < n_rows
+        offs_n64 = offs_n.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        ptrs = buffer_ptr + offs_n64[:, None] * stride_buf_n + offs_v[None, :]
+        shifted = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+        tile_max = tl.load(tile_max_ptr + offs_n64 * num_tiles + pid_v, mask=row_mask, other=0.0)
+        tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
+        loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
+        logits = shifted + tile_max[:, None]
+        probs = tl.exp(shifted + (tile_max - lse)[:, None])
+        is_target = offs_v[None, :] == targets[:, None]
+        grad = _grad_logits(
+            probs, logits, is_target, lse, loss_grad, loss_grad, 1.0 / vocab_size,
+            logit_scale, softcap, label_smoothing, z_loss_scale,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, False,
+        )
+        grad = tl.where(mask, grad, 0.0)
+        tl.store(ptrs, grad.to(buffer_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            bias_grad += tl.sum(grad, axis=0)
+    if HAS_BIAS:
+        acc = tl.load(bias_grad_ptr + offs_v, mask=col_mask, other=0.0)
+        tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
+
+
+@triton.jit
+def _scale_kernel(
+    x_ptr,  # [numel] any float dtype, scaled in place
+    scale_ptr,  # [1] fp32
+    numel,
+    BLOCK: tl.constexpr,
+):
+    """x *= scale in place; a no-op without memory traffic when scale == 1 (the usual
+    ``loss.backward()``), decided on the device so that no host sync is needed."""
+    scale = tl.load(scale_ptr)
+    if scale != 1.0:
+        # Grid-stride loop with int64 offsets: numel can pass 2^31.
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        offs = tl.arange(0, BLOCK)
+        while start < numel:
+            mask = start + offs < numel
+            x = tl.load(x_ptr + start + offs, mask=mask).to(tl.float32)
+            tl.store(x_ptr + start + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+            start += step

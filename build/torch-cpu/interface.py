@@ -1,0 +1,146 @@
+"""The public function: argument checks, shapes, and the choice of the gradient path."""
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from ._ops import forward_op
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale):
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape (..., H), got a 0-d tensor")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape (V, H) with H = {hidden.shape[-1]}, got {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
+                         f"got {tuple(targets.shape)}")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+    for name, value in (("weight", weight), ("targets", targets), ("bias", bias)):
+        if value is not None and value.device != hidden.device:
+            raise ValueError(f"{name} is on {value.device} but hidden is on {hidden.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)):
+        raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not (isinstance(z_loss_scale, (int, float)) and math.isfinite(z_loss_scale) and z_loss_scale >= 0):
+        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
+
+
+def _targets_checked() -> bool:
+    # The range check needs one host sync: skipped while tracing or capturing a CUDA graph,
+    # and when FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
+    if os.environ.get("FLCE_CHECK_TARGETS", "1") == "0" or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_target_range(targets: Tensor, vocab_size: int, ignore_index: int) -> None:
+    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    return_metrics: bool = False,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    return_lse: bool = False,
+):
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without the logits.
+
+    The logits are ``z = (hidden @ weight.T + bias) * logit_scale``, then
+    ``softcap * tanh(z / softcap)`` when ``softcap`` is set; the loss equals
+    ``F.cross_entropy(z.float(), targets, ignore_index=..., reduction=...,
+    label_smoothing=...)``, plus ``z_loss_scale * logsumexp(z)**2`` per non-ignored row.
+
+    Args:
+        hidden: (..., H) float32, bfloat16 or float16.
+        weight: (V, H), hidden's dtype.
+        targets: hidden's leading shape, int64 (or int32); ``ignore_index`` marks rows
+            without a loss.
+        bias: (V,) in hidden's dtype, or None.
+        ignore_index: target value of ignored rows.
+        logit_scale: multiplies the logits (before the softcap).
+        softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``.
+        reduction: "mean" (over non-ignored rows; NaN when all are ignored, as PyTorch),
+            "sum", or "none" (float32 of targets' shape, 0 at ignored rows).
+        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32}``,
+            sums over non-ignored rows of (argmax == target) and of the softmax entropy in
+            nats, forward-only. The loss and gradients are bit-identical either way.
+        label_smoothing: PyTorch's label smoothing, in [0, 1].
+        z_loss_scale: weight of the z-loss ``logsumexp(z)**2`` (PaLM), >= 0.
+        return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
+            which receives gradients too.
+
+    Returns:
+        ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
+
+    Gradients reach ``hidden``, ``weight`` and ``bias``. When they are needed and the
+    reduction is "mean" or "sum" (without ``return_lse``), they are computed during the
+    forward and only scaled by the backward, so call it under ``torch.no_grad()`` when no
+    backward will follow.
+    """
+    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
+    vocab_size, hidden_size = weight.shape
+    if _targets_checked():
+        _check_target_range(targets, vocab_size, ignore_index)
+
+    leading_shape = targets.shape
+    hidden_2d = hidden.reshape(-1, hidden_size)
+    targets_1d = targets.reshape(-1)
+    grad_wanted = torch.is_grad_enabled()
+    needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
+    # them; otherwise recomputed in the backward (8 N V H flops in all).
+    in_forward = any(needs) and reduction != "none" and not return_lse
+    loss, lse, num_correct, entropy_sum, *_ = forward_op(
+        hidden_2d, weight, targets_1d, bias,
+        int(ignore_index), float(logit_scale), None if softcap is None else float(softcap),
+        float(label_smoothing), float(z_loss_scale), reduction, bool(return_metrics),
+        *(in_forward and n for n in needs),
+    )
+    if reduction == "none":
+        loss = loss.reshape(leading_shape)
+    outputs = [loss]
+    if return_metrics:
+        outputs.append({"num_correct_tokens": num_correct, "entropy_sum": entropy_sum})
+    if return_lse:
+        outputs.append(lse.reshape(leading_shape))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -1,0 +1,150 @@
+"""The algorithm: a loop over bounded chunks of rows, independent of the backend.
+
+Forward, for each chunk of rows: one sweep over the vocabulary reduces every logit tile
+to softmax statistics (``row_stats``), merged into lse, loss, argmax and entropy per row.
+
+Training (reduction "mean"/"sum", gradients wanted): the same sweep also keeps the chunk's
+logits, relative to their tile max, in a buffer of rows x V (never N x V). Once the
+chunk's lse is known they become grad logits G in place, and two matrix products finish
+the chunk: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chunk]. The whole
+step costs 6 N V H flops. The gradients are those of d loss with grad_output = 1; the
+backward scales them by the real grad_output.
+
+Backward of reduction "none" (a gradient per row, unknown in the forward) or of a returned
+lse: the logits are recomputed chunk by chunk, now with lse known, and written directly
+as grad logits (8 N V H flops in all).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _torch_backend, _triton_backend
+from ._options import LossOptions, RowResults
+
+
+def backend_for(device: torch.device):
+    """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``), else PyTorch."""
+    if device.type == "cuda" or (device.type == "cpu" and _triton_backend.interpreting()):
+        return _triton_backend
+    return _torch_backend
+
+
+@dataclass
+class ForwardResult:
+    loss: torch.Tensor  # fp32, () or [N]
+    lse: torch.Tensor  # [N] fp32
+    num_correct: torch.Tensor  # () int64
+    entropy_sum: torch.Tensor  # () fp32
+    grad_hidden: torch.Tensor | None  # [N, H]
+    grad_weight: torch.Tensor | None  # [V, H]
+    grad_bias: torch.Tensor | None  # [V]
+
+
+def _chunks(n_rows: int, rows: int):
+    for start in range(0, n_rows, rows):
+        yield start, min(n_rows, start + rows)
+
+
+def _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end):
+    """grad_hidden[start:end] = G @ W and grad_weight (+)= G^T @ hidden[start:end]."""
+    grad_logits = grad_logits.to(hidden.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+    if grad_weight is not None:
+        if start == 0:
+            torch.mm(grad_logits.t(), hidden[start:end], out=grad_weight)
+        else:
+            grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+
+
+def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch.Tensor) -> torch.Tensor:
+    """d out / d loss_i [N] fp32: grad_output spread over the rows, 0 on ignored rows."""
+    valid = targets != opts.ignore_index
+    grad_output = grad_output.float()
+    if reduction == "mean":
+        grad_output = grad_output / valid.sum()
+    return torch.where(valid, grad_output, torch.zeros((), device=targets.device))
+
+
+def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
+            grads: tuple[bool, bool, bool] = (False, False, False)) -> ForwardResult:
+    """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
+    with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    device = hidden.device
+    backend = backend_for(device)
+    f32 = dict(device=device, dtype=torch.float32)
+    rows = RowResults(
+        lse=torch.empty(n_rows, **f32),
+        loss=torch.empty(n_rows, **f32),
+        correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if opts.return_metrics else None,
+        entropy=torch.zeros(n_rows, **f32) if opts.return_metrics else None,
+    )
+    want_h, want_w, want_b = grads
+    training = any(grads) and n_rows > 0
+    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype)
+    if training:
+        loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
+        buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    new_weight = torch.empty if training else torch.zeros  # the first chunk overwrites it
+    grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
+    bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
+
+    for start, end in _chunks(n_rows, chunk):
+        hidden_c, targets_c = hidden[start:end], targets[start:end]
+        shifted = buffer[: end - start] if training else None
+        stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, shifted)
+        out = RowResults(*(None if t is None else t[start:end] for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
+        backend.finalize(stats, targets_c, opts, vocab_size, out)
+        if training:
+            grad_logits = backend.grad_from_stored(
+                shifted, state, targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
+            )
+            _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
+
+    if reduction == "none":
+        loss = rows.loss
+    else:
+        loss = rows.loss.sum()
+        if reduction == "mean":
+            loss = loss / (targets != opts.ignore_index).sum()
+    if opts.return_metrics:
+        num_correct, entropy_sum = rows.correct.sum(dtype=torch.int64), rows.entropy.sum()
+    else:
+        num_correct = torch.zeros((), device=device, dtype=torch.int64)
+        entropy_sum = torch.zeros((), **f32)
+    return ForwardResult(
+        loss=loss, lse=rows.lse, num_correct=num_correct, entropy_sum=entropy_sum,
+        grad_hidden=grad_hidden, grad_weight=grad_weight,
+        grad_bias=bias_grad_acc.to(bias.dtype) if want_b else None,
+    )
+
+
+def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
+             grads: tuple[bool, bool, bool]):
+    """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
+    (0 on ignored rows) and an optional ``lse_grad`` [N]."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    device = hidden.device
+    backend = backend_for(device)
+    want_h, want_w, want_b = grads
+    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    new_weight = torch.empty if n_rows > 0 else torch.zeros  # the first chunk overwrites it
+    grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
+    bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
+    if n_rows > 0:
+        chunk = backend.chunk_rows(n_rows, vocab_size, hidden.dtype)
+        buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
+        for start, end in _chunks(n_rows, chunk):
+            hidden_c = hidden[start:end]
+            grad_logits = backend.grad_logits(
+                hidden_c, weight, bias, targets[start:end], lse[start:end],
+                loss_grad[start:end], None if lse_grad is None else lse_grad[start:end], opts,
+                buffer[: end - start], bias_grad_acc,
+            )
+            _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
+    return grad_hidden, grad_weight, None if bias_grad_acc is None else bias_grad_acc.to(bias.dtype)

@@ -1,0 +1,129 @@
+"""The same chunk-level operations as ``_triton_backend``, in plain PyTorch.
+
+Used for CPU tensors outside the Triton interpreter, so that a training script runs on a
+laptop or in CI. A chunk's logits are computed whole in fp32 ([rows, V], the bounded
+buffer), never the (N, V) matrix.
+"""
+
+import torch
+
+from ._options import LossOptions, RowResults, RowStats, env_int
+
+
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Rows per chunk: the fp32 logits of a chunk, rows x V, stay under a fixed size."""
+    budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
+    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096), budget // (4 * vocab_size)))
+
+
+def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The per-chunk buffer [rows, V]: fp32 logits."""
+    return torch.empty((rows, vocab_size), dtype=torch.float32, device=device)
+
+
+def _logits(hidden, weight, bias, opts: LossOptions) -> torch.Tensor:
+    """Final fp32 logits z [rows, V] of a chunk."""
+    logits = hidden.float() @ weight.float().T
+    if bias is not None:
+        logits += bias.float()
+    logits *= opts.logit_scale
+    if opts.has_softcap:
+        logits = opts.softcap * torch.tanh(logits / opts.softcap)
+    return logits
+
+
+def _safe(row_max: torch.Tensor) -> torch.Tensor:
+    # A row whose logits are all -inf keeps finite shifts (and a zero sum of exponentials).
+    return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+
+
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None):
+    """Softmax statistics of a chunk of rows; with ``shifted_out`` also keeps the logits."""
+    logits = _logits(hidden, weight, bias, opts)
+    if shifted_out is not None:
+        shifted_out.copy_(logits)
+    vocab_size = logits.shape[1]
+    row_max = logits.max(dim=1).values
+    shifted = logits - _safe(row_max)[:, None]
+    exp_shifted = shifted.exp()
+    in_range = (targets >= 0) & (targets < vocab_size)
+    picked = logits.gather(1, targets.clamp(0, vocab_size - 1).long()[:, None])[:, 0]
+    stats = RowStats(
+        row_max=row_max,
+        sum_exp=exp_shifted.sum(dim=1),
+        target_logit=torch.where(in_range, picked, torch.full_like(picked, float("nan"))),
+    )
+    if opts.return_metrics:
+        terms = torch.where(exp_shifted > 0, -exp_shifted * shifted, torch.zeros_like(shifted))
+        stats.entropy_term = terms.sum(dim=1)
+        stats.argmax = logits.argmax(dim=1)
+    if opts.has_smoothing:
+        stats.logit_sum = logits.sum(dim=1)
+    return stats, None
+
+
+def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults) -> None:
+    """Writes lse, loss, correctness and entropy of each row to ``out``."""
+    valid = targets != opts.ignore_index
+    log_sum_exp = stats.sum_exp.log()
+    lse = stats.row_max + log_sum_exp
+    if opts.has_smoothing:
+        eps = opts.label_smoothing
+        loss = lse - (1.0 - eps) * stats.target_logit - eps / vocab_size * stats.logit_sum
+    else:
+        loss = lse - stats.target_logit
+    if opts.has_z_loss:
+        loss = loss + opts.z_loss_scale * lse * lse
+    out.lse.copy_(lse)
+    out.loss.copy_(torch.where(valid, loss, torch.zeros_like(loss)))
+    if opts.return_metrics:
+        out.correct.copy_(valid & (stats.argmax == targets))
+        entropy = log_sum_exp + stats.entropy_term / stats.sum_exp
+        out.entropy.copy_(torch.where(valid, entropy, torch.zeros_like(entropy)))
+
+
+def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptions) -> torch.Tensor:
+    """d out / d u [rows, V] in fp32 from the final logits z (see ``_kernels`` for the maths)."""
+    vocab_size = logits.shape[1]
+    probs = (logits - lse[:, None]).exp()
+    prob_coef = loss_grad
+    if opts.has_z_loss:
+        prob_coef = prob_coef * (1.0 + 2.0 * opts.z_loss_scale * lse)
+    if lse_grad is not None:
+        prob_coef = prob_coef + lse_grad
+    target_coef = loss_grad * (1.0 - opts.label_smoothing)
+    grad = probs * prob_coef[:, None]
+    in_range = (targets >= 0) & (targets < vocab_size)
+    index = targets.clamp(0, vocab_size - 1).long()[:, None]
+    grad.scatter_add_(1, index, -torch.where(in_range, target_coef, torch.zeros_like(target_coef))[:, None])
+    if opts.has_smoothing:
+        grad -= (loss_grad * (opts.label_smoothing / vocab_size))[:, None]
+    if opts.has_softcap:
+        grad *= 1.0 - (logits / opts.softcap) ** 2
+    grad *= opts.logit_scale
+    keep = loss_grad != 0
+    if lse_grad is not None:
+        keep = keep | (lse_grad != 0)
+    return torch.where(keep[:, None], grad, torch.zeros_like(grad))
+
+
+def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
+    """Grad logits [rows, V] from the logits kept by ``row_stats``; adds the column sums to
+    ``bias_grad_acc`` unless it is None."""
+    grad = _grad_from_logits(buffer, targets, lse, loss_grad, None, opts)
+    if bias_grad_acc is not None:
+        bias_grad_acc += grad.sum(dim=0)
+    return grad
+
+
+def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc):
+    """Recomputes a chunk's logits and returns its grad logits [rows, V] (lse known)."""
+    grad = _grad_from_logits(_logits(hidden, weight, bias, opts), targets, lse, loss_grad, lse_grad, opts)
+    if bias_grad_acc is not None:
+        bias_grad_acc += grad.sum(dim=0)
+    return grad
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x *= scale in place."""
+    x.mul_(scale)

@@ -1,0 +1,292 @@
+"""Launch layer of the Triton kernels: pick a configuration, allocate, build the grid, launch.
+
+One call handles one chunk of rows; the chunk loop and the matrix products live in
+``_chunked``. Under ``TRITON_INTERPRET=1`` the same launches run on CPU tensors.
+"""
+
+import os
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import _kernels as K
+from ._options import LossOptions, RowResults, RowStats, env_int
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---- configurations ---------------------------------------------------------------------
+def _set_descriptor_blocks(nargs):
+    # TMA descriptors carry their block shape, which depends on the configuration.
+    if isinstance(nargs["hidden_ptr"], TensorDescriptor):
+        nargs["hidden_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+        nargs["weight_ptr"].block_shape = [nargs["BLOCK_V"], nargs["BLOCK_K"]]
+
+
+def _config(block_n: int, block_k: int, num_warps: int, num_stages: int) -> triton.Config:
+    return triton.Config(
+        {"BLOCK_N": block_n, "BLOCK_K": block_k},
+        num_warps=num_warps,
+        num_stages=num_stages,
+        pre_hook=_set_descriptor_blocks,
+    )
+
+
+def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
+    """Candidate configurations of the logit kernel for one tile width (BLOCK_V).
+
+    BLOCK_V is fixed per call because the tile statistics are allocated per tile; the
+    rest is autotuned. Shared memory per stage is (BLOCK_N + BLOCK_V) * BLOCK_K * element
+    size, kept under Hopper's 227 KiB.
+    """
+    if element_size == 4:
+        return [_config(128, 32, 8, 3), _config(64, 32, 4, 3)]
+    if block_v >= 256:
+        return [_config(128, 64, 8, 3), _config(128, 64, 8, 4), _config(64, 64, 4, 4)]
+    return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(256, 64, 8, 3)]
+
+
+_TUNING_KEY = [
+    "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
+    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "EVEN_K", "BLOCK_V",
+]
+_autotuned = {}
+
+
+def _logit_kernel(block_v: int, element_size: int):
+    """The logit kernel to launch: autotuned on a GPU, one fixed small tile when interpreting."""
+    if interpreting():
+        return K._logit_tile_kernel, {"BLOCK_N": env_int("FLCE_BLOCK_N", 16), "BLOCK_K": env_int("FLCE_BLOCK_K", 16)}
+    configs = logit_tile_configs(block_v, element_size)
+    if env_int("FLCE_AUTOTUNE", 1) == 0:
+        configs = configs[:1]
+    key = (block_v, element_size, len(configs))
+    if key not in _autotuned:
+        _autotuned[key] = triton.autotune(configs, key=_TUNING_KEY)(K._logit_tile_kernel)
+    return _autotuned[key], {}
+
+
+def tile_width(dtype: torch.dtype) -> int:
+    """Vocabulary columns per logit tile (BLOCK_V)."""
+    if interpreting():
+        return env_int("FLCE_BLOCK_V", 32)
+    return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
+
+
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Rows per chunk: the buffer of a chunk's logits, rows x V, stays under a fixed size."""
+    budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
+    element_size = torch.finfo(dtype).bits // 8
+    by_budget = max(128, budget // (vocab_size * element_size) // 128 * 128)
+    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 1536), by_budget))
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs follow PyTorch's matmul precision: "highest" gets 3xTF32 (about fp32
+    # accuracy on the tensor cores), "high"/"medium" get TF32.
+    if dtype != torch.float32:
+        return "ieee"  # ignored for 16-bit operands
+    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    if env_int("FLCE_TMA", 1) == 0:
+        return False
+    if not interpreting() and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return False
+    for t in (hidden, weight):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+# ---- launches ---------------------------------------------------------------------------
+def _flags(opts: LossOptions, bias) -> dict:
+    return dict(
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=opts.has_softcap,
+        HAS_SMOOTHING=opts.has_smoothing,
+        HAS_Z_LOSS=opts.has_z_loss,
+    )
+
+
+def _scalars(opts: LossOptions) -> dict:
+    return dict(
+        logit_scale=float(opts.logit_scale),
+        softcap=float(opts.softcap or 1.0),
+        label_smoothing=float(opts.label_smoothing),
+        z_loss_scale=float(opts.z_loss_scale),
+    )
+
+
+_dummies: dict[torch.device, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device) -> torch.Tensor:
+    # Stands for pointer arguments that a variant of a kernel does not touch.
+    if device not in _dummies:
+        _dummies[device] = torch.zeros(1, device=device)
+    return _dummies[device]
+
+
+def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
+                        lse=None, loss_grad=None, lse_grad=None):
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    block_v = tile_width(hidden.dtype)
+    kernel, fixed = _logit_kernel(block_v, hidden.element_size())
+    use_tma = _tma_ok(hidden, weight)
+    if use_tma:  # block shapes are set per configuration, by the autotuner's pre-hook
+        hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16])
+        weight_arg = TensorDescriptor.from_tensor(weight, [16, 16])
+        if fixed:
+            _set_descriptor_blocks({"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "BLOCK_V": block_v, **fixed})
+    else:
+        hidden_arg, weight_arg = hidden, weight
+    tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum = tile_stats
+    dummy = _dummy(hidden.device)
+
+    def grid(meta):
+        return (triton.cdiv(n_rows, meta["BLOCK_N"]) * triton.cdiv(vocab_size, block_v),)
+
+    kernel[grid](
+        hidden_arg, weight_arg, bias if bias is not None else dummy, targets,
+        tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, target_logit,
+        out if out is not None else dummy,
+        lse if lse is not None else dummy,
+        loss_grad if loss_grad is not None else dummy,
+        lse_grad if lse_grad is not None else dummy,
+        n_rows, vocab_size, hidden_size,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        out.stride(0) if out is not None else 0,
+        **_scalars(opts),
+        MODE=mode,
+        **_flags(opts, bias),
+        HAS_LSE_GRAD=lse_grad is not None,
+        RETURN_METRICS=opts.return_metrics,
+        USE_TMA=use_tma,
+        EVEN_K=hidden_size % 128 == 0,
+        INPUT_PRECISION=_input_precision(hidden.dtype),
+        BLOCK_V=block_v,
+        **fixed,
+    )
+
+
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None):
+    """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
+    ``z - tile_max`` there. Returns the stats and the state that ``grad_from_stored`` needs."""
+    n_rows = hidden.shape[0]
+    vocab_size = weight.shape[0]
+    num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
+    device = hidden.device
+    f32 = dict(device=device, dtype=torch.float32)
+
+    def tile_array(enabled, dtype=torch.float32):
+        return torch.empty((n_rows, num_tiles) if enabled else (1,), device=device, dtype=dtype)
+
+    tile_stats = (
+        tile_array(True), tile_array(True), tile_array(opts.return_metrics),
+        tile_array(opts.return_metrics, torch.int32), tile_array(opts.has_smoothing),
+    )
+    target_logit = torch.full((n_rows,), float("nan"), **f32)
+    mode = K.MODE_STATS if shifted_out is None else K.MODE_STATS_AND_SHIFTED
+    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, out=shifted_out,
+                        tile_stats=tile_stats, target_logit=target_logit)
+
+    stats = RowStats(
+        row_max=torch.empty(n_rows, **f32),
+        sum_exp=torch.empty(n_rows, **f32),
+        target_logit=target_logit,
+        entropy_term=torch.empty(n_rows, **f32) if opts.return_metrics else None,
+        argmax=torch.empty(n_rows, device=device, dtype=torch.int64) if opts.return_metrics else None,
+        logit_sum=torch.empty(n_rows, **f32) if opts.has_smoothing else None,
+    )
+    block_r = 16
+    K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
+        *tile_stats,
+        stats.row_max, stats.sum_exp,
+        stats.entropy_term if opts.return_metrics else _dummy(device),
+        stats.argmax if opts.return_metrics else _dummy(device),
+        stats.logit_sum if opts.has_smoothing else _dummy(device),
+        n_rows, num_tiles,
+        RETURN_METRICS=opts.return_metrics,
+        HAS_SMOOTHING=opts.has_smoothing,
+        BLOCK_R=block_r,
+        BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
+    )
+    return stats, tile_stats[0]
+
+
+def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults) -> None:
+    """Writes lse, loss, correctness and entropy of each row to ``out`` from its merged statistics."""
+    n_rows = targets.shape[0]
+    dummy = _dummy(targets.device)
+    block_r = 128
+    K._finalize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
+        stats.row_max, stats.sum_exp,
+        stats.entropy_term if opts.return_metrics else dummy,
+        stats.argmax if opts.return_metrics else dummy,
+        stats.logit_sum if opts.has_smoothing else dummy,
+        stats.target_logit, targets,
+        out.lse, out.loss,
+        out.correct if opts.return_metrics else dummy,
+        out.entropy if opts.return_metrics else dummy,
+        n_rows, opts.ignore_index, 1.0 / vocab_size, float(opts.label_smoothing), float(opts.z_loss_scale),
+        RETURN_METRICS=opts.return_metrics,
+        HAS_SMOOTHING=opts.has_smoothing,
+        HAS_Z_LOSS=opts.has_z_loss,
+        BLOCK_R=block_r,
+    )
+
+
+def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The bounded per-chunk buffer [rows, V]: ``z - tile_max`` in the inputs' dtype.
+
+    Relative to the tile max, entries that matter (p not tiny) are small numbers, so the
+    16-bit rounding costs an error in p of at most about 2^-9 / e, not |z| 2^-9."""
+    return torch.empty((rows, vocab_size), dtype=dtype, device=device)
+
+
+def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
+    """Turns the ``z - tile_max`` stored by ``row_stats`` into grad logits, in place, and
+    adds the chunk's column sums to ``bias_grad_acc`` [V] fp32 unless it is None.
+    Returns the grad logits [rows, V] (the buffer itself)."""
+    n_rows, vocab_size = buffer.shape
+    block_v = tile_width(buffer.dtype)
+    K._grad_from_shifted_kernel[(triton.cdiv(vocab_size, block_v),)](
+        buffer, state, lse, loss_grad, targets,
+        bias_grad_acc if bias_grad_acc is not None else _dummy(buffer.device),
+        n_rows, vocab_size, buffer.stride(0),
+        **_scalars(opts),
+        **_flags(opts, bias_grad_acc),
+        BLOCK_N=16 if interpreting() else 32,
+        BLOCK_V=block_v,
+        num_warps=8,
+    )
+    return buffer
+
+
+def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc):
+    """Recomputes a chunk's logits and stores its grad logits [rows, V] to ``out`` (lse known);
+    adds their column sums to ``bias_grad_acc`` [V] fp32 unless it is None. Returns ``out``."""
+    dummy = _dummy(hidden.device)
+    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, out=out,
+                        tile_stats=(dummy,) * 5, target_logit=dummy, lse=lse, loss_grad=loss_grad,
+                        lse_grad=lse_grad)
+    if bias_grad_acc is not None:
+        bias_grad_acc += torch.sum(out, dim=0, dtype=torch.float32)
+    return out
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """x *= scale in place (scale: a one-element fp32 tensor); no traffic when scale == 1."""
+    if x.numel() == 0:
+        return
+    block = 4096
+    numel = x.numel()
+    programs = min(triton.cdiv(numel, block), 1024)
+    K._scale_kernel[(programs,)](x, scale, numel, BLOCK=block)

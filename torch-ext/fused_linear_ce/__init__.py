@@ -1,0 +1,12 @@
+"""fused-linear-ce: the cross-entropy of ``hidden @ weight.T (+ bias)`` without the logits.
+
+A clean-room Triton implementation of the method of "Cut Your Losses in Large-Vocabulary
+Language Models" (Wijmans et al., 2024, arXiv 2411.09009).
+"""
+
+from .interface import fused_linear_cross_entropy
+
+__all__ = [
+    # the loss
+    "fused_linear_cross_entropy",
+]

@@ -1,0 +1,62 @@
+"""Plain data shared by the layers: the loss options and the per-row statistics."""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Everything but the tensors that defines the loss of one call."""
+
+    ignore_index: int = -100
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    label_smoothing: float = 0.0
+    z_loss_scale: float = 0.0
+    return_metrics: bool = False
+
+    @property
+    def has_softcap(self) -> bool:
+        return self.softcap is not None
+
+    @property
+    def has_smoothing(self) -> bool:
+        return self.label_smoothing != 0.0
+
+    @property
+    def has_z_loss(self) -> bool:
+        return self.z_loss_scale != 0.0
+
+
+@dataclass
+class RowStats:
+    """Merged softmax statistics of a block of rows, all [rows]; see ``_kernels`` for the maths.
+
+    ``sum_exp`` and ``entropy_term`` are relative to ``row_max``; ``target_logit`` is NaN
+    where no vocabulary entry matched the target (ignored or out of range).
+    """
+
+    row_max: torch.Tensor  # fp32
+    sum_exp: torch.Tensor  # fp32
+    target_logit: torch.Tensor  # fp32
+    entropy_term: torch.Tensor | None = None  # fp32, with metrics
+    argmax: torch.Tensor | None = None  # int64, with metrics
+    logit_sum: torch.Tensor | None = None  # fp32, with label smoothing
+
+
+@dataclass
+class RowResults:
+    """Per-row outputs of the forward, all [rows]."""
+
+    lse: torch.Tensor  # fp32
+    loss: torch.Tensor  # fp32, 0 on ignored rows
+    correct: torch.Tensor | None = None  # int32, with metrics
+    entropy: torch.Tensor | None = None  # fp32, 0 on ignored rows, with metrics
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer knob from the environment (used by tests and benchmarks), else ``default``."""
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
