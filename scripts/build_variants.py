@@ -11,8 +11,9 @@ import argparse
 import hashlib
 import json
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "torch-ext" / "fused_linear_ce"
