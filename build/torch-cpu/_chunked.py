@@ -97,7 +97,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         hidden_c, targets_c = hidden[start:end], targets[start:end]
         shifted = buffer[: end - start] if training else None
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, shifted)
-        out = RowResults(*(None if t is None else t[start:end] for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
+        out = RowResults(*(None if t is None else t[start:end]
+                           for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
         backend.finalize(stats, targets_c, opts, vocab_size, out)
         if training:
             grad_logits = backend.grad_from_stored(

@@ -136,7 +136,7 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
         hidden, weight, targets, bias, lse = ctx.saved_tensors
         row_grad = _chunked.row_loss_grad(targets, _options(*ctx.options), ctx.reduction, loss_grad)
         grads = backward_op(hidden, weight, targets, bias, lse, row_grad, lse_grad, *ctx.options, *want)
-    grads = [g if w else None for g, w in zip(grads, want)]
+    grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     return grads[0], grads[1], None, grads[2], *([None] * 10)
 
 
