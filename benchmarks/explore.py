@@ -35,12 +35,48 @@ def step_and_fwd(flce, hidden, weight, targets, rep_ms):
         do_bench(step, warmup=100, rep=rep_ms, return_mode="median"), step, (h, w)
 
 
+def back_to_back_ms(step, n=10):
+    """Mean of n steps issued back to back (no cache flush between them), by CUDA events."""
+    step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def time_logit_kernel(flce, hidden, weight, targets, config):
+    """TFLOP/s of the logit kernel alone on one chunk, statistics only and with the buffer."""
+    backend = sys.modules[flce.__name__ + "._triton_backend"]
+    options = sys.modules[flce.__name__ + "._options"].LossOptions()
+    rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype)
+    h, t = hidden[:rows], targets[:rows]
+    buffer = backend.new_buffer(rows, weight.shape[0], hidden.dtype, hidden.device)
+    os.environ["FLCE_CONFIG"] = config
+    out = {}
+    try:
+        for name, buf in (("stats", None), ("stats_and_buffer", buffer)):
+            ms = do_bench(lambda buf=buf: backend.row_stats(h, weight, None, t, options, buf),
+                          warmup=50, rep=200, return_mode="median")
+            out[f"{name}_tflops"] = 2 * rows * weight.shape[0] * weight.shape[1] / ms / 1e9
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        del os.environ["FLCE_CONFIG"]
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="llama3,gemma2")
     parser.add_argument("--variants", default="BLOCK_V=256,TMA=1;BLOCK_V=256,TMA=0;BLOCK_V=128,TMA=1")
     parser.add_argument("--rep-ms", type=float, default=300)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
+    parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     flce, _ = load_flce()
@@ -59,10 +95,19 @@ def main():
                 h.grad = w.grad = None
                 loss = flce.fused_linear_cross_entropy(h, w, targets)
                 loss.backward()
-                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "step_ms": step_ms,
+                loop_ms = back_to_back_ms(step)
+                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "step_ms": step_ms, "loop_ms": loop_ms,
                        "fwd_tflops": flops / fwd_ms / 1e9, "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
                        "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
                        "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}
+                if args.trace and args.out and variant == args.variants.split(";")[0]:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                        for _ in range(2):
+                            step()
+                        torch.cuda.synchronize()
+                    prof.export_chrome_trace(str(Path(args.out).with_name(f"trace_{row}.json")))
                 if args.profile:
                     from torch.profiler import ProfilerActivity, profile
 
@@ -76,6 +121,10 @@ def main():
                 rec = {"row": row, "variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
             for k in env:
                 os.environ.pop(f"FLCE_{k}")
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+        for config in filter(None, args.configs.split(";")):
+            rec = {"row": row, "config": config, **time_logit_kernel(flce, hidden, weight, targets, config)}
             print(json.dumps(rec), flush=True)
             records.append(rec)
             if args.out:

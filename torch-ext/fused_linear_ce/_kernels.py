@@ -82,8 +82,57 @@ def _grad_logits(
 
 
 @triton.jit
+def _tile_logits(
+    hidden_ptr, weight_ptr, bias_ptr,
+    pid_n, pid_v, n_rows, vocab_size, hidden_size,
+    stride_hn, stride_hk, stride_wv, stride_wk,
+    logit_scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Final logits [BLOCK_N, BLOCK_V] (fp32) of one tile; -inf past the vocabulary."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_v < vocab_size
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+    if USE_TMA:
+        # Out-of-range rows, columns and the K tail are zero-filled by the copy engine.
+        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+            h = hidden_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # [BLOCK_N, BLOCK_K]
+            w = weight_ptr.load([pid_v * BLOCK_V, k * BLOCK_K])  # [BLOCK_V, BLOCK_K]
+            acc = tl.dot(h, w.T, acc, input_precision=INPUT_PRECISION)
+    else:
+        # Wrap out-of-range rows and columns onto valid ones so that only K needs a mask;
+        # their results are discarded. Offsets in int64: n * H and v * H can pass 2^31.
+        offs_k = tl.arange(0, BLOCK_K)
+        load_n = (offs_n % n_rows).to(tl.int64)
+        load_v = (offs_v % vocab_size).to(tl.int64)
+        h_ptrs = hidden_ptr + load_n[:, None] * stride_hn + offs_k[None, :] * stride_hk
+        w_ptrs = weight_ptr + load_v[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+            if EVEN_K:
+                h = tl.load(h_ptrs)  # [BLOCK_N, BLOCK_K]
+                w = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_V]
+            else:
+                k_mask = offs_k < hidden_size - k * BLOCK_K
+                h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+            h_ptrs += BLOCK_K * stride_hk
+            w_ptrs += BLOCK_K * stride_wk
+    logits = acc
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+        logits = logits + bias[None, :]
+    logits = logits * logit_scale
+    if HAS_SOFTCAP:
+        logits = softcap * _tanh(logits / softcap)
+    return tl.where(col_mask[None, :], logits, float("-inf"))
+
+
+@triton.jit
 def _logit_tile_kernel(
-    # pointers (or TMA descriptors for hidden and weight when USE_TMA)
+    # pointers (TMA descriptors for hidden, weight and out when USE_TMA)
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
     bias_ptr,  # [V]                                   (HAS_BIAS)
@@ -124,112 +173,83 @@ def _logit_tile_kernel(
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One (BLOCK_N rows) x (BLOCK_V vocabulary entries) tile of logits, reduced in registers.
+    """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
-    The tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
-    then bias, scale and softcap are applied. Mode 0 writes the tile statistics and, from
-    the tile that holds it, the target logit; mode 1 also stores ``z - tile_max`` to
-    ``out``; mode 2 (lse known) stores the gradient with respect to the raw logits.
-    Row blocks vary fastest with the program id, so the programs running together share
-    one weight tile in L2 while the hidden rows of a chunk stay cached.
+    A tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
+    then bias, scale and softcap. Mode 0 writes the tile statistics and, from the tile that
+    holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
+    (lse known) stores the gradient with respect to the raw logits. Tile ids put row
+    blocks fastest, so the programs running together share one weight tile in L2 while
+    the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
+    with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
+    of the next tile overlap the epilogue of the current one.
     """
-    pid = tl.program_id(0)
     num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
-    pid_n = pid % num_row_blocks
-    pid_v = pid // num_row_blocks
     num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    for tile_id in tl.range(tl.program_id(0), num_row_blocks * num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_n = tile_id % num_row_blocks
+        pid_v = tile_id // num_row_blocks
+        logits = _tile_logits(
+            hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
+            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
+            HAS_BIAS, HAS_SOFTCAP, USE_TMA, EVEN_K, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K,
+        )  # [BLOCK_N, BLOCK_V]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = offs_n < n_rows
+        col_mask = offs_v < vocab_size
+        offs_n64 = offs_n.to(tl.int64)
+        targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
+        is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-    row_mask = offs_n < n_rows
-    col_mask = offs_v < vocab_size
+        if MODE == 2:
+            lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
+            loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+            lse_grad = loss_grad
+            if HAS_LSE_GRAD:
+                lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+            probs = tl.exp(logits - lse[:, None])
+            tile_out = _grad_logits(
+                probs, logits, is_target, lse, loss_grad, lse_grad, 1.0 / vocab_size,
+                logit_scale, softcap, label_smoothing, z_loss_scale,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD,
+            )
+        else:
+            # ---- tile statistics ----------------------------------------------------------
+            tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
+            # A row whose tile is all -inf (masked vocabulary) keeps s = 0 and no NaN.
+            safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+            tile_out = logits - safe_max[:, None]  # z - m <= 0
+            exp_shifted = tl.exp(tile_out)
+            sum_exp = tl.sum(exp_shifted, axis=1)
+            stat_offs = offs_n64 * num_tiles + pid_v
+            tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
+            tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
+            if RETURN_METRICS:
+                entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
+                tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
+                is_max = logits == tile_max[:, None]
+                argmax = tl.min(tl.where(is_max, offs_v[None, :], 2147483647), axis=1)
+                tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
+            if HAS_SMOOTHING:
+                logit_sum = tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+                tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
+            target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+            has_target = (targets >= pid_v * BLOCK_V) & (targets < pid_v * BLOCK_V + BLOCK_V)
+            tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
 
-    # ---- logits tile: hidden[rows] @ weight[cols].T, fp32 accumulator -----------------
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
-    if USE_TMA:
-        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-            h = hidden_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # [BLOCK_N, BLOCK_K]
-            w = weight_ptr.load([pid_v * BLOCK_V, k * BLOCK_K])  # [BLOCK_V, BLOCK_K]
-            acc = tl.dot(h, w.T, acc, input_precision=INPUT_PRECISION)
-    else:
-        # Wrap out-of-range rows and columns onto valid ones so that only K needs a mask;
-        # their results are discarded below. Offsets in int64: n * H and v * H can pass 2^31.
-        load_n = (offs_n % n_rows).to(tl.int64)
-        load_v = (offs_v % vocab_size).to(tl.int64)
-        h_ptrs = hidden_ptr + load_n[:, None] * stride_hn + offs_k[None, :] * stride_hk
-        w_ptrs = weight_ptr + load_v[None, :] * stride_wv + offs_k[:, None] * stride_wk
-        for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
-            if EVEN_K:
-                h = tl.load(h_ptrs)  # [BLOCK_N, BLOCK_K]
-                w = tl.load(w_ptrs)  # [BLOCK_K, BLOCK_V]
+        if MODE != 0:
+            if USE_TMA:  # through shared memory by the copy engine, clipped at the edges
+                out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile_out.to(out_ptr.dtype))
             else:
-                k_mask = offs_k < hidden_size - k * BLOCK_K
-                h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
-            h_ptrs += BLOCK_K * stride_hk
-            w_ptrs += BLOCK_K * stride_wk
-
-    # ---- bias, scale, softcap -----------------------------------------------------------
-    logits = acc
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
-        logits = logits + bias[None, :]
-    logits = logits * logit_scale
-    if HAS_SOFTCAP:
-        logits = softcap * _tanh(logits / softcap)
-    logits = tl.where(col_mask[None, :], logits, float("-inf"))
-
-    targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
-    is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
-    offs_n64 = offs_n.to(tl.int64)
-    out_ptrs = out_ptr + offs_n64[:, None] * stride_out_n + offs_v[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
-
-    if MODE == 2:
-        lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
-        loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-        lse_grad = loss_grad
-        if HAS_LSE_GRAD:
-            lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
-        probs = tl.exp(logits - lse[:, None])
-        grad = _grad_logits(
-            probs, logits, is_target, lse, loss_grad, lse_grad, 1.0 / vocab_size,
-            logit_scale, softcap, label_smoothing, z_loss_scale,
-            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD,
-        )
-        grad = tl.where(out_mask, grad, 0.0)
-        tl.store(out_ptrs, grad.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # ---- tile statistics --------------------------------------------------------------
-        tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
-        # A row whose tile is all -inf (masked vocabulary) keeps s = 0 and no NaN.
-        safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-        shifted = logits - safe_max[:, None]  # z - m <= 0
-        exp_shifted = tl.exp(shifted)
-        sum_exp = tl.sum(exp_shifted, axis=1)
-        stat_offs = offs_n64 * num_tiles + pid_v
-        tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
-        tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
-        if RETURN_METRICS:
-            entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * shifted, 0.0), axis=1)
-            tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
-            is_max = logits == tile_max[:, None]
-            argmax = tl.min(tl.where(is_max, offs_v[None, :], 2147483647), axis=1)
-            tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
-        if HAS_SMOOTHING:
-            logit_sum = tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
-            tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
-        target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
-        has_target = (targets >= pid_v * BLOCK_V) & (targets < pid_v * BLOCK_V + BLOCK_V)
-        tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
-        if MODE == 1:
-            tl.store(out_ptrs, shifted.to(out_ptr.dtype.element_ty), mask=out_mask)
+                out_mask = row_mask[:, None] & col_mask[None, :]
+                out_ptrs = out_ptr + offs_n64[:, None] * stride_out_n + offs_v[None, :]
+                tl.store(out_ptrs, tile_out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -259,18 +279,21 @@ def _combine_tiles_kernel(
     row_mask = offs_r < n_rows
     base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
 
-    row_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+    # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
+    # end: fewer shuffles, and a loop shape the compiler handles well.
+    running_max = tl.full((BLOCK_R, BLOCK_T), float("-inf"), tl.float32)
     for t in range(0, num_tiles, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
         tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
-        row_max = tl.maximum(row_max, tl.max(tile_max, axis=1))
+        running_max = tl.maximum(running_max, tile_max)
+    row_max = tl.max(running_max, axis=1)  # [BLOCK_R]
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
 
-    sum_exp = tl.zeros((BLOCK_R,), tl.float32)
-    entropy_term = tl.zeros((BLOCK_R,), tl.float32)
-    logit_sum = tl.zeros((BLOCK_R,), tl.float32)
-    argmax = tl.full((BLOCK_R,), 2147483647, tl.int32)
+    sum_exp = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+    entropy_term = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+    logit_sum = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+    argmax = tl.full((BLOCK_R, BLOCK_T), 2147483647, tl.int32)
     for t in range(0, num_tiles, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
@@ -279,24 +302,25 @@ def _combine_tiles_kernel(
         tile_sum = tl.load(tile_sum_exp_ptr + ptrs, mask=mask, other=0.0)
         live = tile_max > float("-inf")  # fully masked tiles contribute nothing
         weight = tl.where(live, tl.exp(tile_max - safe_max[:, None]), 0.0)
-        sum_exp += tl.sum(weight * tile_sum, axis=1)
+        sum_exp += weight * tile_sum
         if RETURN_METRICS:
             tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
             gap = tl.where(live, safe_max[:, None] - tile_max, 0.0)
-            entropy_term += tl.sum(weight * (tile_entropy + tile_sum * gap), axis=1)
+            entropy_term += weight * (tile_entropy + tile_sum * gap)
             tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=2147483647)
             at_max = mask & (tile_max == row_max[:, None])
-            argmax = tl.minimum(argmax, tl.min(tl.where(at_max, tile_argmax, 2147483647), axis=1))
+            argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, 2147483647))
         if HAS_SMOOTHING:
-            logit_sum += tl.sum(tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0), axis=1)
+            logit_sum += tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0)
 
     tl.store(row_max_ptr + offs_r, row_max, mask=row_mask)
-    tl.store(row_sum_exp_ptr + offs_r, sum_exp, mask=row_mask)
+    # Fixed-shape tree reductions: the same summation order on every call.
+    tl.store(row_sum_exp_ptr + offs_r, tl.sum(sum_exp, axis=1), mask=row_mask)
     if RETURN_METRICS:
-        tl.store(row_entropy_ptr + offs_r, entropy_term, mask=row_mask)
-        tl.store(row_argmax_ptr + offs_r, argmax.to(tl.int64), mask=row_mask)
+        tl.store(row_entropy_ptr + offs_r, tl.sum(entropy_term, axis=1), mask=row_mask)
+        tl.store(row_argmax_ptr + offs_r, tl.min(argmax, axis=1).to(tl.int64), mask=row_mask)
     if HAS_SMOOTHING:
-        tl.store(row_logit_sum_ptr + offs_r, logit_sum, mask=row_mask)
+        tl.store(row_logit_sum_ptr + offs_r, tl.sum(logit_sum, axis=1), mask=row_mask)
 
 
 @triton.jit

@@ -25,11 +25,13 @@ def _set_descriptor_blocks(nargs):
     if isinstance(nargs["hidden_ptr"], TensorDescriptor):
         nargs["hidden_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
         nargs["weight_ptr"].block_shape = [nargs["BLOCK_V"], nargs["BLOCK_K"]]
+    if isinstance(nargs["out_ptr"], TensorDescriptor):
+        nargs["out_ptr"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_V"]]
 
 
-def _config(block_n: int, block_k: int, num_warps: int, num_stages: int) -> triton.Config:
+def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, persistent: bool = False) -> triton.Config:
     return triton.Config(
-        {"BLOCK_N": block_n, "BLOCK_K": block_k},
+        {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent},
         num_warps=num_warps,
         num_stages=num_stages,
         pre_hook=_set_descriptor_blocks,
@@ -46,8 +48,9 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
     if element_size == 4:
         return [_config(128, 32, 8, 3), _config(64, 32, 4, 3)]
     if block_v >= 256:
-        return [_config(128, 64, 8, 3), _config(128, 64, 8, 4), _config(64, 64, 4, 4)]
-    return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(256, 64, 8, 3)]
+        return [_config(128, 64, 8, 3), _config(128, 64, 8, 3, True), _config(128, 64, 8, 4),
+                _config(64, 64, 4, 4)]
+    return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(128, 64, 8, 4, True), _config(256, 64, 8, 3)]
 
 
 _TUNING_KEY = [
@@ -60,7 +63,13 @@ _autotuned = {}
 def _logit_kernel(block_v: int, element_size: int):
     """The logit kernel to launch: autotuned on a GPU, one fixed small tile when interpreting."""
     if interpreting():
-        return K._logit_tile_kernel, {"BLOCK_N": env_int("FLCE_BLOCK_N", 16), "BLOCK_K": env_int("FLCE_BLOCK_K", 16)}
+        return K._logit_tile_kernel, {"BLOCK_N": env_int("FLCE_BLOCK_N", 16), "BLOCK_K": env_int("FLCE_BLOCK_K", 16),
+                                      "PERSISTENT": env_int("FLCE_PERSISTENT", 0) == 1}
+    forced = os.environ.get("FLCE_CONFIG")  # "BLOCK_N,BLOCK_K,warps,stages,persistent", for exploration
+    if forced:
+        block_n, block_k, warps, stages, persistent = (int(x) for x in forced.split(","))
+        return K._logit_tile_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": bool(persistent),
+                                      "num_warps": warps, "num_stages": stages}
     configs = logit_tile_configs(block_v, element_size)
     if env_int("FLCE_AUTOTUNE", 1) == 0:
         configs = configs[:1]
@@ -93,15 +102,29 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
-def _tma_ok(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine (TMA) can move these 2-D tensors: Hopper or newer, rows
+    contiguous and 16-byte aligned."""
     if env_int("FLCE_TMA", 1) == 0:
         return False
-    if not interpreting() and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
-    for t in (hidden, weight):
+    for t in tensors:
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
+
+
+_sm_counts: dict[torch.device, int] = {}
+
+
+def _max_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per multiprocessor (a handful when interpreting)."""
+    if interpreting():
+        return 4
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
 
 
 # ---- launches ---------------------------------------------------------------------------
@@ -139,24 +162,28 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
-    use_tma = _tma_ok(hidden, weight)
+    dummy = _dummy(hidden.device)
+    use_tma = _tma_ok(hidden, weight, *(() if out is None else (out,)))
     if use_tma:  # block shapes are set per configuration, by the autotuner's pre-hook
         hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16])
         weight_arg = TensorDescriptor.from_tensor(weight, [16, 16])
+        out_arg = dummy if out is None else TensorDescriptor.from_tensor(out, [16, 16])
         if fixed:
-            _set_descriptor_blocks({"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "BLOCK_V": block_v, **fixed})
+            _set_descriptor_blocks({"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg,
+                                    "BLOCK_V": block_v, **fixed})
     else:
-        hidden_arg, weight_arg = hidden, weight
+        hidden_arg, weight_arg, out_arg = hidden, weight, dummy if out is None else out
     tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum = tile_stats
-    dummy = _dummy(hidden.device)
+    max_programs = _max_programs(hidden.device)
 
     def grid(meta):
-        return (triton.cdiv(n_rows, meta["BLOCK_N"]) * triton.cdiv(vocab_size, block_v),)
+        tiles = triton.cdiv(n_rows, meta["BLOCK_N"]) * triton.cdiv(vocab_size, block_v)
+        return (min(tiles, max_programs) if meta["PERSISTENT"] else tiles,)
 
     kernel[grid](
         hidden_arg, weight_arg, bias if bias is not None else dummy, targets,
         tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, target_logit,
-        out if out is not None else dummy,
+        out_arg,
         lse if lse is not None else dummy,
         loss_grad if loss_grad is not None else dummy,
         lse_grad if lse_grad is not None else dummy,
