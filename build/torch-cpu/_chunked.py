@@ -84,9 +84,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     )
     want_h, want_w, want_b = grads
     training = any(grads) and n_rows > 0
-    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype)
+    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype, training)
     if training:
-        loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
     new_weight = torch.empty if training else torch.zeros  # the first chunk overwrites it
@@ -101,6 +100,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                            for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
         backend.finalize(stats, targets_c, opts, vocab_size, out)
         if training:
+            if start == 0:  # queued after the first sweep, so that the GPU starts at once
+                loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
             grad_logits = backend.grad_from_stored(
                 shifted, state, targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
             )
@@ -138,7 +139,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
     if n_rows > 0:
-        chunk = backend.chunk_rows(n_rows, vocab_size, hidden.dtype)
+        chunk = backend.chunk_rows(n_rows, vocab_size, hidden.dtype, True)
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
         for start, end in _chunks(n_rows, chunk):
             hidden_c = hidden[start:end]

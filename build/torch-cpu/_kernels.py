@@ -391,6 +391,7 @@ def _grad_from_shifted_kernel(
     bias_grad_ptr,  # [V] fp32 accumulator, added to (HAS_BIAS)
     # sizes and strides
     n_rows,
+    rows_per_program,
     vocab_size,
     stride_buf_n,
     # scalars
@@ -408,18 +409,20 @@ def _grad_from_shifted_kernel(
 ):
     """Turns the stored ``z - tile_max`` of a chunk into grad logits, in place.
 
-    One program owns BLOCK_V columns (one logit tile, so ``tile_max`` is one value a row)
-    and walks down all rows, which also gives the bias gradient's column sums without
-    atomics. p = exp((z - m) + m - lse).
+    A program owns BLOCK_V columns (one logit tile, so ``tile_max`` is one value a row)
+    and walks down ``rows_per_program`` rows; with a bias it walks all of them, which
+    gives the bias gradient's column sums without atomics. p = exp((z - m) + m - lse).
     """
     pid_v = tl.program_id(0)
+    first_row = tl.program_id(1) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
     num_tiles = tl.cdiv(vocab_size, BLOCK_V)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = offs_v < vocab_size
     bias_grad = tl.zeros((BLOCK_V,), tl.float32)
-    for n0 in range(0, n_rows, BLOCK_N):
+    for n0 in range(first_row, last_row, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        row_mask = offs_n < n_rows
+        row_mask = offs_n < last_row
         offs_n64 = offs_n.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
         ptrs = buffer_ptr + offs_n64[:, None] * stride_buf_n + offs_v[None, :]

@@ -103,6 +103,9 @@ def _setup_context(ctx, inputs, output):
      reduction, _, grad_hidden, grad_weight, grad_bias) = inputs
     loss, lse, num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = output
     ctx.mark_non_differentiable(num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias)
+    # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
+    # would cost V x H memory and a fill.
+    ctx.set_materialize_grads(False)
     ctx.options = (ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale)
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
@@ -116,6 +119,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
+    if loss_grad is None and lse_grad is None:
+        return (None,) * 14
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if ctx.reduction != "none" else lse_grad.shape)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])

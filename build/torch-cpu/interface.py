@@ -61,9 +61,12 @@ def _targets_checked() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _check_target_range(targets: Tensor, vocab_size: int, ignore_index: int) -> None:
-    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-    if bool(bad.any()):
+def _out_of_range(targets: Tensor, vocab_size: int, ignore_index: int) -> Tensor:
+    return ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+
+
+def _raise_if_out_of_range(bad: Tensor, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
+    if bool(bad.any()):  # the host sync
         value = int(targets[bad][0])
         raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
 
@@ -119,8 +122,9 @@ def fused_linear_cross_entropy(
     """
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     vocab_size, hidden_size = weight.shape
-    if _targets_checked():
-        _check_target_range(targets, vocab_size, ignore_index)
+    # The range of the targets is checked after the work is queued, so that the host sync
+    # it needs does not leave the GPU idle while the launches are prepared.
+    bad_targets = _out_of_range(targets, vocab_size, ignore_index) if _targets_checked() else None
 
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)
@@ -136,6 +140,8 @@ def fused_linear_cross_entropy(
         float(label_smoothing), float(z_loss_scale), reduction, bool(return_metrics),
         *(in_forward and n for n in needs),
     )
+    if bad_targets is not None:
+        _raise_if_out_of_range(bad_targets, targets, vocab_size, ignore_index)
     if reduction == "none":
         loss = loss.reshape(leading_shape)
     outputs = [loss]

@@ -10,7 +10,7 @@ import torch
 from ._options import LossOptions, RowResults, RowStats, env_int
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool) -> int:
     """Rows per chunk: the fp32 logits of a chunk, rows x V, stay under a fixed size."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
     return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096), budget // (4 * vocab_size)))

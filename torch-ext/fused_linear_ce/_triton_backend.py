@@ -86,12 +86,22 @@ def tile_width(dtype: torch.dtype) -> int:
     return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: the buffer of a chunk's logits, rows x V, stays under a fixed size."""
-    budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
-    element_size = torch.finfo(dtype).bits // 8
-    by_budget = max(128, budget // (vocab_size * element_size) // 128 * 128)
-    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 1536), by_budget))
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool) -> int:
+    """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
+    FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows; the forward alone keeps
+    only per-tile statistics and takes up to 4096 rows. The rows are then spread evenly
+    over the chunks (in multiples of 128), so that no small last chunk runs at a loss."""
+    if training:
+        budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
+        element_size = torch.finfo(dtype).bits // 8
+        by_budget = max(128, budget // (vocab_size * element_size) // 128 * 128)
+        most = min(env_int("FLCE_CHUNK_ROWS", 1536), by_budget)
+    else:
+        most = env_int("FLCE_CHUNK_ROWS", 4096)
+    if n_rows <= most:
+        return max(1, n_rows)
+    per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
+    return min(most, triton.cdiv(per_chunk, 128) * 128)
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -284,10 +294,14 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     Returns the grad logits [rows, V] (the buffer itself)."""
     n_rows, vocab_size = buffer.shape
     block_v = tile_width(buffer.dtype)
-    K._grad_from_shifted_kernel[(triton.cdiv(vocab_size, block_v),)](
+    # Without a bias, programs also split the rows (more of them in flight: this pass is
+    # bound by memory bandwidth); with one, a program walks all rows of its columns.
+    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
+    grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
+    K._grad_from_shifted_kernel[grid](
         buffer, state, lse, loss_grad, targets,
         bias_grad_acc if bias_grad_acc is not None else _dummy(buffer.device),
-        n_rows, vocab_size, buffer.stride(0),
+        n_rows, rows_per_program, vocab_size, buffer.stride(0),
         **_scalars(opts),
         **_flags(opts, bias_grad_acc),
         BLOCK_N=16 if interpreting() else 32,
