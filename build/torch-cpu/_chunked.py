@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _torch_backend, _triton_backend
+from ._distributed import Shard
 from ._options import LossOptions, RowResults
 
 
@@ -68,9 +69,10 @@ def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch
 
 
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
-            grads: tuple[bool, bool, bool] = (False, False, False)) -> ForwardResult:
+            grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
-    with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1."""
+    with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
+    With a ``shard``, weight and bias are this rank's slice of the vocabulary."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
@@ -91,11 +93,14 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     new_weight = torch.empty if training else torch.zeros  # the first chunk overwrites it
     grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
+    slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
 
     for start, end in _chunks(n_rows, chunk):
-        hidden_c, targets_c = hidden[start:end], targets[start:end]
+        hidden_c, targets_c, slice_targets_c = hidden[start:end], targets[start:end], slice_targets[start:end]
         shifted = buffer[: end - start] if training else None
-        stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, shifted)
+        stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, shifted)
+        if shard is not None:
+            stats = shard.merge(stats)
         out = RowResults(*(None if t is None else t[start:end]
                            for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
         backend.finalize(stats, targets_c, opts, vocab_size, out)
@@ -103,9 +108,11 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             if start == 0:  # queued after the first sweep, so that the GPU starts at once
                 loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
             grad_logits = backend.grad_from_stored(
-                shifted, state, targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
+                shifted, state, slice_targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
             )
             _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
+    if shard is not None and grad_hidden is not None and training:
+        shard.all_reduce_(grad_hidden)
 
     if reduction == "none":
         loss = rows.loss
@@ -126,7 +133,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
 
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
-             grads: tuple[bool, bool, bool]):
+             grads: tuple[bool, bool, bool], shard: Shard | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (0 on ignored rows) and an optional ``lse_grad`` [N]."""
     n_rows, hidden_size = hidden.shape
@@ -138,6 +145,8 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     new_weight = torch.empty if n_rows > 0 else torch.zeros  # the first chunk overwrites it
     grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
+    if shard is not None:
+        targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
         chunk = backend.chunk_rows(n_rows, vocab_size, hidden.dtype, True)
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
@@ -149,4 +158,6 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
                 buffer[: end - start], bias_grad_acc,
             )
             _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
+        if shard is not None and grad_hidden is not None:
+            shard.all_reduce_(grad_hidden)
     return grad_hidden, grad_weight, None if bias_grad_acc is None else bias_grad_acc.to(bias.dtype)

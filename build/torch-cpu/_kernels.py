@@ -162,6 +162,7 @@ def _logit_tile_kernel(
     softcap,
     label_smoothing,
     z_loss_scale,
+    inv_vocab_size,  # 1 / V of the whole vocabulary (this weight may be one shard of it)
     # meta-parameters
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -215,7 +216,7 @@ def _logit_tile_kernel(
                 lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
             probs = tl.exp(logits - lse[:, None])
             tile_out = _grad_logits(
-                probs, logits, is_target, lse, loss_grad, lse_grad, 1.0 / vocab_size,
+                probs, logits, is_target, lse, loss_grad, lse_grad, inv_vocab_size,
                 logit_scale, softcap, label_smoothing, z_loss_scale,
                 HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD,
             )
@@ -399,6 +400,7 @@ def _grad_from_shifted_kernel(
     softcap,
     label_smoothing,
     z_loss_scale,
+    inv_vocab_size,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -436,7 +438,7 @@ def _grad_from_shifted_kernel(
         probs = tl.exp(shifted + (tile_max - lse)[:, None])
         is_target = offs_v[None, :] == targets[:, None]
         grad = _grad_logits(
-            probs, logits, is_target, lse, loss_grad, loss_grad, 1.0 / vocab_size,
+            probs, logits, is_target, lse, loss_grad, loss_grad, inv_vocab_size,
             logit_scale, softcap, label_smoothing, z_loss_scale,
             HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, False,
         )

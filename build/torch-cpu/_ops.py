@@ -9,16 +9,23 @@ import torch
 from torch import Tensor
 
 from . import _chunked
+from ._distributed import Shard, resolve_group
 from ._options import LossOptions
 
 NAMESPACE = __name__.split(".")[0]
 
 
-def _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, return_metrics=False):
+def _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
+             return_metrics=False):
     return LossOptions(
-        ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_metrics=return_metrics,
+        ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale, return_metrics=return_metrics, total_vocab_size=total_vocab_size,
     )
+
+
+def _shard(group_name: str | None, vocab_start: int, total_vocab_size: int) -> Shard | None:
+    # Operators take the group's registered name: a ProcessGroup is no schema type.
+    return None if group_name is None else Shard(resolve_group(group_name), vocab_start, total_vocab_size)
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
@@ -29,13 +36,17 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 def forward_op(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
     ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
-    z_loss_scale: float, reduction: str, return_metrics: bool,
-    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
+    reduction: str, return_metrics: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias); the
-    gradients are computed in the same sweep (for grad_output 1) where asked, else empty."""
-    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, return_metrics)
-    res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, (grad_hidden, grad_weight, grad_bias))
+    gradients are computed in the same sweep (for grad_output 1) where asked, else empty.
+    With a ``group_name``, weight and bias are the rows [vocab_start, vocab_start + V) of a
+    vocabulary of ``total_vocab_size`` sharded over that group's ranks."""
+    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
+                    return_metrics)
+    res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, (grad_hidden, grad_weight, grad_bias),
+                           _shard(group_name, vocab_start, total_vocab_size))
     return (
         res.loss, res.lse, res.num_correct, res.entropy_sum,
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
@@ -44,7 +55,7 @@ def forward_op(
 
 @forward_op.register_fake
 def _(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-      reduction, return_metrics, grad_hidden, grad_weight, grad_bias):
+      total_vocab_size, group_name, vocab_start, reduction, return_metrics, grad_hidden, grad_weight, grad_bias):
     n_rows = hidden.shape[0]
     f32 = dict(device=hidden.device, dtype=torch.float32)
     return (
@@ -63,18 +74,19 @@ def backward_op(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
     loss_grad: Tensor, lse_grad: Tensor | None,
     ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
-    z_loss_scale: float, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
+    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients by recomputation for a per-row ``loss_grad`` [N] and optional ``lse_grad`` [N]."""
-    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale)
+    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size)
     grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts,
-                              (grad_hidden, grad_weight, grad_bias))
+                              (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size))
     return tuple(_or_empty(g, hidden) for g in grads)
 
 
 @backward_op.register_fake
 def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, ignore_index, logit_scale, softcap,
-      label_smoothing, z_loss_scale, grad_hidden, grad_weight, grad_bias):
+      label_smoothing, z_loss_scale, total_vocab_size, group_name, vocab_start, grad_hidden, grad_weight, grad_bias):
     return (
         hidden.new_empty(hidden.shape if grad_hidden else (0,)),
         hidden.new_empty(weight.shape if grad_weight else (0,)),
@@ -100,13 +112,14 @@ _EAGER, _RECOMPUTE = 0, 1
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-     reduction, _, grad_hidden, grad_weight, grad_bias) = inputs
+     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias) = inputs
     loss, lse, num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = output
     ctx.mark_non_differentiable(num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias)
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
     # would cost V x H memory and a fill.
     ctx.set_materialize_grads(False)
-    ctx.options = (ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale)
+    ctx.options = (ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
+                   group_name, vocab_start)
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
     ctx.path = _EAGER if (grad_hidden or grad_weight or grad_bias) else _RECOMPUTE
@@ -120,7 +133,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
     if loss_grad is None and lse_grad is None:
-        return (None,) * 14
+        return (None,) * 17
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if ctx.reduction != "none" else lse_grad.shape)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
@@ -139,10 +152,12 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
                 scale_op(g, loss_grad)
     else:
         hidden, weight, targets, bias, lse = ctx.saved_tensors
-        row_grad = _chunked.row_loss_grad(targets, _options(*ctx.options), ctx.reduction, loss_grad)
+        row_grad = _chunked.row_loss_grad(targets, _options(*ctx.options[:6]), ctx.reduction, loss_grad)
+        if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
+            lse_grad = lse_grad.float().contiguous()
         grads = backward_op(hidden, weight, targets, bias, lse, row_grad, lse_grad, *ctx.options, *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * 10)
+    return grads[0], grads[1], None, grads[2], *([None] * 13)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)

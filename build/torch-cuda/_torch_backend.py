@@ -69,7 +69,7 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
     lse = stats.row_max + log_sum_exp
     if opts.has_smoothing:
         eps = opts.label_smoothing
-        loss = lse - (1.0 - eps) * stats.target_logit - eps / vocab_size * stats.logit_sum
+        loss = lse - (1.0 - eps) * stats.target_logit - eps * opts.inv_vocab_size(vocab_size) * stats.logit_sum
     else:
         loss = lse - stats.target_logit
     if opts.has_z_loss:
@@ -97,7 +97,7 @@ def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptio
     index = targets.clamp(0, vocab_size - 1).long()[:, None]
     grad.scatter_add_(1, index, -torch.where(in_range, target_coef, torch.zeros_like(target_coef))[:, None])
     if opts.has_smoothing:
-        grad -= (loss_grad * (opts.label_smoothing / vocab_size))[:, None]
+        grad -= (loss_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size)))[:, None]
     if opts.has_softcap:
         grad *= 1.0 - (logits / opts.softcap) ** 2
     grad *= opts.logit_scale

@@ -6,6 +6,7 @@ import os
 import torch
 from torch import Tensor
 
+from ._distributed import vocabulary_layout
 from ._ops import forward_op
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,6 +86,8 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     return_lse: bool = False,
+    process_group: "torch.distributed.ProcessGroup | None" = None,
+    vocab_start: int | None = None,
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without the logits.
 
@@ -111,6 +114,13 @@ def fused_linear_cross_entropy(
         z_loss_scale: weight of the z-loss ``logsumexp(z)**2`` (PaLM), >= 0.
         return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
             which receives gradients too.
+        process_group: vocabulary parallelism. ``weight`` (and ``bias``) hold this rank's
+            contiguous slice of the vocabulary's rows; ``hidden`` and ``targets`` (global
+            indices) are the same on every rank. Every rank gets the loss and metrics of the
+            whole vocabulary and the full grad of ``hidden``; weight and bias get their
+            slice's gradients.
+        vocab_start: index of this rank's first vocabulary row; by default the slices are
+            taken to lie in rank order (found with one all-gather, cached).
 
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
@@ -122,9 +132,16 @@ def fused_linear_cross_entropy(
     """
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     vocab_size, hidden_size = weight.shape
+    group_name, total_vocab_size = None, vocab_size
+    if process_group is not None:
+        layout_start, total_vocab_size = vocabulary_layout(process_group, vocab_size, weight.device)
+        vocab_start = layout_start if vocab_start is None else int(vocab_start)
+        group_name = process_group.group_name
+    elif vocab_start is not None:
+        raise ValueError("vocab_start needs a process_group")
     # The range of the targets is checked after the work is queued, so that the host sync
     # it needs does not leave the GPU idle while the launches are prepared.
-    bad_targets = _out_of_range(targets, vocab_size, ignore_index) if _targets_checked() else None
+    bad_targets = _out_of_range(targets, total_vocab_size, ignore_index) if _targets_checked() else None
 
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)
@@ -137,11 +154,12 @@ def fused_linear_cross_entropy(
     loss, lse, num_correct, entropy_sum, *_ = forward_op(
         hidden_2d, weight, targets_1d, bias,
         int(ignore_index), float(logit_scale), None if softcap is None else float(softcap),
-        float(label_smoothing), float(z_loss_scale), reduction, bool(return_metrics),
+        float(label_smoothing), float(z_loss_scale), total_vocab_size, group_name, int(vocab_start or 0),
+        reduction, bool(return_metrics),
         *(in_forward and n for n in needs),
     )
     if bad_targets is not None:
-        _raise_if_out_of_range(bad_targets, targets, vocab_size, ignore_index)
+        _raise_if_out_of_range(bad_targets, targets, total_vocab_size, ignore_index)
     if reduction == "none":
         loss = loss.reshape(leading_shape)
     outputs = [loss]

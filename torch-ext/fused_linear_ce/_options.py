@@ -16,6 +16,11 @@ class LossOptions:
     label_smoothing: float = 0.0
     z_loss_scale: float = 0.0
     return_metrics: bool = False
+    total_vocab_size: int | None = None  # V of the whole vocabulary when weight is a shard
+
+    def inv_vocab_size(self, local_vocab_size: int) -> float:
+        """1 / V for label smoothing, V being the whole vocabulary's size."""
+        return 1.0 / (self.total_vocab_size or local_vocab_size)
 
     @property
     def has_softcap(self) -> bool:

@@ -147,12 +147,13 @@ def _flags(opts: LossOptions, bias) -> dict:
     )
 
 
-def _scalars(opts: LossOptions) -> dict:
+def _scalars(opts: LossOptions, vocab_size: int) -> dict:
     return dict(
         logit_scale=float(opts.logit_scale),
         softcap=float(opts.softcap or 1.0),
         label_smoothing=float(opts.label_smoothing),
         z_loss_scale=float(opts.z_loss_scale),
+        inv_vocab_size=opts.inv_vocab_size(vocab_size),
     )
 
 
@@ -200,7 +201,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         n_rows, vocab_size, hidden_size,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
-        **_scalars(opts),
+        **_scalars(opts, vocab_size),
         MODE=mode,
         **_flags(opts, bias),
         HAS_LSE_GRAD=lse_grad is not None,
@@ -272,7 +273,8 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
         out.lse, out.loss,
         out.correct if opts.return_metrics else dummy,
         out.entropy if opts.return_metrics else dummy,
-        n_rows, opts.ignore_index, 1.0 / vocab_size, float(opts.label_smoothing), float(opts.z_loss_scale),
+        n_rows, opts.ignore_index, opts.inv_vocab_size(vocab_size), float(opts.label_smoothing),
+        float(opts.z_loss_scale),
         RETURN_METRICS=opts.return_metrics,
         HAS_SMOOTHING=opts.has_smoothing,
         HAS_Z_LOSS=opts.has_z_loss,
@@ -302,7 +304,7 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
         buffer, state, lse, loss_grad, targets,
         bias_grad_acc if bias_grad_acc is not None else _dummy(buffer.device),
         n_rows, rows_per_program, vocab_size, buffer.stride(0),
-        **_scalars(opts),
+        **_scalars(opts, vocab_size),
         **_flags(opts, bias_grad_acc),
         BLOCK_N=16 if interpreting() else 32,
         BLOCK_V=block_v,

@@ -1,0 +1,127 @@
+"""Vocabulary-parallel loss over torch.distributed (gloo on the CPU here, NCCL on GPUs through
+scripts/gpu-distributed): every rank holds a slice of weight's rows, and must get exactly
+the loss, metrics and grad_hidden of the unsharded computation, and its slice's gradients."""
+
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import DEVICE
+
+# The interpreter is slow; the sharding logic sits above the backend, so most cases use
+# the PyTorch path for CPU tensors (TRITON_INTERPRET=0 at call time) and one the kernels.
+CASES = [
+    dict(reduction="mean", bias=True, return_metrics=True, label_smoothing=0.1, z_loss_scale=1e-3),
+    dict(reduction="sum", softcap=4.0, logit_scale=0.8, return_metrics=True),
+    dict(reduction="none", return_lse=True, return_metrics=True),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference(hidden, weight, bias, targets, case):
+    """float64 loss, metrics, lse and gradients on the full weight."""
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    b = bias.double().requires_grad_() if bias is not None else None
+    z = h @ w.T + (b if b is not None else 0)
+    z = z * case.get("logit_scale", 1.0)
+    if case.get("softcap"):
+        z = case["softcap"] * torch.tanh(z / case["softcap"])
+    valid = targets != -100
+    per_row = F.cross_entropy(z, targets, reduction="none", label_smoothing=case.get("label_smoothing", 0.0))
+    lse = z.logsumexp(-1)
+    per_row = per_row + case.get("z_loss_scale", 0.0) * lse**2 * valid
+    loss = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / valid.sum()}[case["reduction"]]
+    p = z.softmax(-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    metrics = {"num_correct_tokens": ((z.argmax(-1) == targets) & valid).sum(),
+               "entropy_sum": entropy[valid].sum()}
+    return loss, metrics, lse, (h, w, b)
+
+
+def _worker(rank, world, port, error_file):
+    try:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        from kernels import get_kernel
+
+        flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+        for case_index in range(len(CASES)):
+            # The backend is chosen per call: one case through the Triton kernels.
+            os.environ["TRITON_INTERPRET"] = "1" if case_index == 0 else "0"
+            _check_case(flce, rank, world, dict(CASES[case_index]))
+    except BaseException:
+        with open(error_file, "a") as f:
+            f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_case(flce, rank, world, case):
+    """One case on this rank, against the float64 reference on the full weight."""
+    torch.manual_seed(0)  # the same inputs on every rank
+    n, hidden_size, vocab = 23, 24, 67  # 67 does not split evenly over 2 or 3 ranks
+    hidden = torch.randn(n, hidden_size)
+    weight = torch.randn(vocab, hidden_size) * 0.5
+    bias = torch.randn(vocab) if case.pop("bias", False) else None
+    targets = torch.randint(0, vocab, (n,))
+    targets[::4] = -100
+    # ties across the shard boundary: two rows of weight equal, in different slices
+    weight[vocab // world + 1] = weight[1]
+
+    sizes = [len(part) for part in torch.arange(vocab).tensor_split(world)]
+    start = sum(sizes[:rank])
+    w_local = weight[start:start + sizes[rank]].clone().requires_grad_()
+    b_local = bias[start:start + sizes[rank]].clone().requires_grad_() if bias is not None else None
+    h = hidden.clone().requires_grad_()
+    out = flce.fused_linear_cross_entropy(h, w_local, targets, b_local, process_group=dist.group.WORLD, **case)
+    loss, metrics, lse = out if case.get("return_lse") else (*out, None)
+    grad_out = torch.linspace(0.5, 1.5, n) if case["reduction"] == "none" else torch.tensor(0.7)
+    total = (loss * grad_out).sum() + (lse.sum() * 0.3 if lse is not None else 0)
+    total.backward()
+
+    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
+    ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
+    ref_total.backward()
+    # fp32 arithmetic against float64: relative errors of a few ulps of the sums involved
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol)
+    assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
+    torch.testing.assert_close(metrics["entropy_sum"].double(), ref_metrics["entropy_sum"].detach(), **tol)
+    if lse is not None:
+        torch.testing.assert_close(lse.double(), ref_lse.detach(), **tol)
+    torch.testing.assert_close(h.grad.double(), rh.grad, **tol)
+    torch.testing.assert_close(w_local.grad.double(), rw.grad[start:start + sizes[rank]], **tol)
+    if bias is not None:
+        torch.testing.assert_close(b_local.grad.double(), rb.grad[start:start + sizes[rank]], **tol)
+    # every rank holds bitwise the same loss and metrics
+    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
+    mine = torch.stack([loss.detach().double().sum(), metrics["num_correct_tokens"].double(),
+                        metrics["entropy_sum"].double()])
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors; GPUs run scripts/gpu-distributed")
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_matches_unsharded(world, tmp_path):
+    error_file = tmp_path / "errors.txt"
+    mp.spawn(_worker, args=(world, _free_port(), str(error_file)), nprocs=world, join=True)
+    assert not error_file.exists(), error_file.read_text()
+
+
+if __name__ == "__main__":  # python tests/test_distributed.py: one case, for debugging
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
