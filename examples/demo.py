@@ -121,7 +121,9 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    path = {"cuda": "Triton kernels"}.get(device.type, "Triton interpreter" if args.interpret else "chunked PyTorch path")
+    path = "Triton kernels" if device.type == "cuda" else "chunked PyTorch path"
+    if args.interpret:
+        path = "Triton interpreter"
 
     flce = get_kernel(REPO_ID, version=1, trust_remote_code=True)
 
