@@ -130,6 +130,8 @@ def main():
     data = torch.tensor(list(args.data.read_bytes()), dtype=torch.int64)
     split = int(0.9 * len(data))
     train, held_out = data[:split], data[split:]
+    if len(held_out) < args.seq + 2:
+        sys.exit(f"--seq {args.seq} is too long for the held-out 10% of {args.data.name} ({len(held_out)} bytes)")
     gen = torch.Generator().manual_seed(args.seed)
 
     def batch(source):
