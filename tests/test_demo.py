@@ -1,0 +1,83 @@
+"""The README's two commands: examples/demo.py (run as a subprocess) and .ci/run's test command."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import HAS_CUDA, ROOT
+
+DEMO = ROOT / "examples" / "demo.py"
+
+
+def run_demo(*args: str, interpret: bool = False) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest sets it without CUDA
+    if interpret:
+        args = (*args, "--interpret")
+    proc = subprocess.run([sys.executable, str(DEMO), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"demo exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def table(stdout: str) -> dict[str, list[float]]:
+    """Rows of the demo's table: step (or "eval") -> [loss, loss, accuracy, accuracy, entropy, entropy],
+    kernel first in each pair."""
+    rows = {}
+    for line in stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 7 and re.fullmatch(r"\d+|eval", fields[0]):
+            rows[fields[0]] = [float(x) for x in fields[1:7]]
+    return rows
+
+
+def check_matches(stdout: str, steps: int, fp32: bool):
+    rows = table(stdout)
+    assert {"1", str(steps), "eval"} <= rows.keys(), stdout
+    # fp32 on CPU: the same maths up to rounding; bf16 on a GPU: the kernel's logits are fp32
+    # accumulators while PyTorch's are rounded to bf16, and the two trainings drift apart.
+    loss_tol, metric_tol = (1e-4, 1e-3) if fp32 else (5e-2, 5e-2)
+    for step, (loss_k, loss_t, acc_k, acc_t, ent_k, ent_t) in rows.items():
+        assert math.isfinite(loss_k) and loss_k > 0, (step, stdout)
+        assert loss_k == pytest.approx(loss_t, abs=loss_tol), (step, stdout)
+        assert acc_k == pytest.approx(acc_t, abs=max(metric_tol, 2.5e-3)), (step, stdout)  # 1 token in 512 = 0.002
+        assert ent_k == pytest.approx(ent_t, abs=metric_tol), (step, stdout)
+    # The losses go down: training happened, on both sides.
+    assert rows[str(steps)][0] < rows["1"][0] and rows[str(steps)][1] < rows["1"][1], stdout
+    assert "max |loss kernel - loss torch|" in stdout
+
+
+def test_demo_default_path():
+    """The README's main command, shortened: CUDA (bf16) when there is a GPU, else the chunked PyTorch path."""
+    stdout = run_demo("--steps", "3", "--log-every", "1")
+    assert ("Triton kernels" if HAS_CUDA else "chunked PyTorch path") in stdout
+    check_matches(stdout, steps=3, fp32=not HAS_CUDA)
+
+
+@pytest.mark.slow
+def test_demo_interpreter():
+    """--interpret: the Triton kernels themselves, in the CPU interpreter."""
+    stdout = run_demo("--steps", "2", "--batch", "4", "--seq", "32", interpret=True)
+    assert "Triton interpreter" in stdout
+    check_matches(stdout, steps=2, fp32=True)
+
+
+def readme_commands() -> list[str]:
+    """The one-line commands of the README's "Run it" section (the lines of its ```bash block)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Run it", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README: no ```bash block under '## Run it'"
+    return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_readme_commands_match_ci():
+    """Exactly two commands; .ci/run runs the second (the tests) verbatim, and the first runs the demo."""
+    main, tests = readme_commands()
+    assert "examples/demo.py" in main and "pytest" in tests
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert any(line == tests or line.startswith(tests + " ||") for line in ci_lines), (
+        f".ci/run does not run the README's test command {tests!r}"
+    )
