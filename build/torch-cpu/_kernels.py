@@ -241,7 +241,7 @@ def _logit_tile_kernel(
                 logit_sum = tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
             target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
-            has_target = (targets >= pid_v * BLOCK_V) & (targets < pid_v * BLOCK_V + BLOCK_V)
+            has_target = (targets >= pid_v * BLOCK_V) & (targets < tl.minimum(pid_v * BLOCK_V + BLOCK_V, vocab_size))
             tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
 
         if MODE != 0:
