@@ -41,6 +41,8 @@ ROWS = {
     "llama3-n2048": (4096, 128256, 2048, "bfloat16"),
     "llama3-n32768": (4096, 128256, 32768, "bfloat16"),
     "llama3-n65536": (4096, 128256, 65536, "bfloat16"),
+    "llama3-tp2-slice": (4096, 128256 // 2, 8192, "bfloat16"),  # one rank's part of a 2-way vocab split
+    "llama3-tp4-slice": (4096, 128256 // 4, 8192, "bfloat16"),
     "llama2-fp32": (4096, 32000, 8192, "float32"),
     "llama2-fp16": (4096, 32000, 8192, "float16"),
 }
