@@ -83,8 +83,9 @@ def huge_shapes(flce):
                "grad_hidden_rel_err": rel(hh.grad, ref_gh), "grad_weight_rel_err": rel(ww.grad, ref_gw)}
         # bf16 inputs: loss within 1e-3, grads within 2e-2 (bf16 rounding of grad logits and grads);
         # argmax can flip on near-ties between the fp32 accumulations, so allow a few in a million
+        argmax_slack = max(2, n // 100000)
         rec["ok"] = (rec["loss_rel_err"] < 1e-3 and rec["grad_hidden_rel_err"] < 2e-2
-                     and rec["grad_weight_rel_err"] < 2e-2 and abs(rec["num_correct"] - ref_correct) <= max(2, n // 100000))
+                     and rec["grad_weight_rel_err"] < 2e-2 and abs(rec["num_correct"] - ref_correct) <= argmax_slack)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         del hidden, weight, hh, ww, ref_gh, ref_gw
@@ -152,8 +153,10 @@ def fuzz_case(flce, rng):
     if valid.any():
         if rel(loss, ref) > loss_tol:
             failures.append(f"loss {rel(loss, ref):.2e}")
-        for name, got, want in (("grad_hidden", hh.grad, rh.grad), ("grad_weight", ww.grad, rw.grad),
-                                ("grad_bias", bb.grad if bb is not None else None, rb.grad if rb is not None else None)):
+        pairs = [("grad_hidden", hh.grad, rh.grad), ("grad_weight", ww.grad, rw.grad)]
+        if bb is not None:
+            pairs.append(("grad_bias", bb.grad, rb.grad))
+        for name, got, want in pairs:
             if got is not None and want.norm() > 0 and rel(got, want) > grad_tol:
                 failures.append(f"{name} {rel(got, want):.2e}")
         if metrics is not None:
