@@ -5,8 +5,11 @@ labels (a prompt, padding) and labels that agree with the model's own argmax at 
 positions, so that the token accuracy is not trivially 0.
 """
 
+from pathlib import Path
+
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]  # the kernel repository (build/ inside)
 VOCAB = 128
 HIDDEN = 32
 
