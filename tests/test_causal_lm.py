@@ -1,6 +1,7 @@
 """The causal-LM loss from hidden states equals transformers' own logits-based loss: loss, the
 gradient of every parameter and the metrics, on tiny random models (float32, CPU)."""
 
+import copy
 import math
 
 import pytest
@@ -88,6 +89,13 @@ def test_patched_model_keeps_logits_outside_training(flce):
     assert out.logits.shape == (2, 12, 128)
     fused = model(**batch, fused_loss=True)
     torch.testing.assert_close(fused.loss, out.loss, rtol=1e-5, atol=0)
+    # a deepcopy (a reference model, say) runs its own weights on both paths
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.mul_(2.0)
+    twin_out = twin(**batch)
+    assert not torch.allclose(twin_out.logits, out.logits)
+    torch.testing.assert_close(twin(**batch, fused_loss=True).loss, twin_out.loss, rtol=1e-5, atol=0)
 
 
 def test_loss_terms_pass_through(flce, monkeypatch):

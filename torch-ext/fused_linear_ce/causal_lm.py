@@ -283,7 +283,9 @@ def patch_forward(model, *, when_training: bool = True):
     the call still goes through ``model.forward``; the patched forward keeps the class forward's
     signature, which the HF Trainer and ``generate`` inspect.
     """
-    original_forward = model.forward
+    # An attribute rather than a closure: copy.deepcopy rebinds it to the copy (a reference
+    # model made by deepcopy must not run the original's weights).
+    model._flce_original_forward = model.forward
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_loss: bool | None = None, **kwargs):
@@ -292,7 +294,7 @@ def patch_forward(model, *, when_training: bool = True):
             fused_loss = when_training and self.training and has_labels
         if fused_loss:
             return fused_forward(self, *args, **kwargs)
-        return original_forward(*args, **kwargs)
+        return self._flce_original_forward(*args, **kwargs)
 
     model.forward = types.MethodType(forward, model)
     return model
