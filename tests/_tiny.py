@@ -36,8 +36,7 @@ def tiny_causal_lm(arch: str = "llama", seed: int = 0, **overrides):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
         # larger weights than the default 0.02: peaked logits, so softcap, accuracy and entropy matter
-        initializer_range=0.5,
-        **{**arch_overrides, **overrides},
+        **{"initializer_range": 0.5, **arch_overrides, **overrides},
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float()

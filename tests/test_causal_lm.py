@@ -159,3 +159,20 @@ def test_token_metrics_single_process_and_empty(flce):
     assert (out["mean_token_accuracy"].item(), out["entropy"].item()) == (0.75, 0.375)
     empty = flce.token_metrics({k: torch.zeros_like(v) for k, v in metrics.items()})
     assert (empty["mean_token_accuracy"].item(), empty["entropy"].item()) == (0.0, 0.0)
+
+
+def test_autocast_bf16_matches_model_loss(flce, monkeypatch):
+    """Under CPU autocast the backbone gives bf16 hidden states and the lm_head stays fp32: the
+    loss casts both as ``lm_head`` would, and agrees with the model's own within bf16 rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_causal_lm("llama", initializer_range=0.02)
+    batch = tiny_batch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads, _ = _reference(model, batch)
+        model.zero_grad()
+        out = flce.fused_forward(model, **batch)
+        out.loss.backward()
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=2e-3, atol=0)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert_grads_close(model, ref_grads, rel=3e-2)
