@@ -84,6 +84,7 @@ def test_compiled_loss_matches_eager(flce, device, monkeypatch, path, fn):
 @pytest.mark.parametrize("path", ["interpreter", "torch"])
 def test_compiled_model_with_fused_loss_matches_eager(flce, monkeypatch, path):
     """A patched tiny Llama compiled whole: backbone, lm_head weight, fused loss and metrics."""
+    pytest.importorskip("transformers")
     monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
     eager = flce.patch_forward(tiny_causal_lm("llama-tied"))
     batch = tiny_batch(eager)

@@ -54,6 +54,9 @@ def test_docs_have_snippets():
 
 @pytest.mark.parametrize(("name", "line", "code"), _snippets())
 def test_snippet_runs(flce, monkeypatch, name, line, code):
+    for module in ("transformers", "trl", "kernels"):  # the integrations' optional dependencies
+        if re.search(rf"^(from|import) {module}\b", code, re.MULTILINE):
+            pytest.importorskip(module)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if not HAS_CUDA:

@@ -24,9 +24,6 @@ from torch import Tensor
 
 from .interface import fused_linear_cross_entropy
 
-# Metrics of ``causal_lm_loss(..., return_metrics=True)``: sums over the non-ignored positions.
-METRIC_KEYS = ("num_correct_tokens", "entropy_sum", "num_valid_tokens")
-
 
 def shift_labels_for_causal_lm(labels: Tensor, ignore_index: int = -100) -> Tensor:
     """Targets of each position, as ``ForCausalLMLoss`` makes them: ``labels[..., 1:]`` with one
