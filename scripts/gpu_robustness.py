@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the fuzz (interpreter)
 os.environ.setdefault("LOCAL_KERNELS", f"qgallouedec/fused-linear-ce={ROOT}")
 
 
@@ -122,19 +123,19 @@ def fuzz_case(flce, rng):
     if "label_smoothing" in opts:
         opts["label_smoothing"] = rng.choice([0.05, 0.3])
     seed = rng.randrange(2**31)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     scale = rng.choice([0.5, 1.0, 3.0])
-    hidden = (torch.randn(n, h, device="cuda", generator=g) * scale / h**0.25).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=g) / h**0.25).to(dtype)
-    bias = torch.randn(v, device="cuda", generator=g).to(dtype) if use_bias else None
-    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
-    targets[torch.rand(n, device="cuda", generator=g) < rng.choice([0.0, 0.1, 0.5])] = -100
+    hidden = (torch.randn(n, h, device=DEVICE, generator=g) * scale / h**0.25).to(dtype)
+    weight = (torch.randn(v, h, device=DEVICE, generator=g) / h**0.25).to(dtype)
+    bias = torch.randn(v, device=DEVICE, generator=g).to(dtype) if use_bias else None
+    targets = torch.randint(0, v, (n,), device=DEVICE, generator=g)
+    targets[torch.rand(n, device=DEVICE, generator=g) < rng.choice([0.0, 0.1, 0.5])] = -100
 
     hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     bb = bias.clone().requires_grad_() if bias is not None else None
     out = flce.fused_linear_cross_entropy(hh, ww, targets, bb, **opts)
     loss, metrics = out if opts["return_metrics"] else (out, None)
-    grad_out = torch.rand(loss.shape, device="cuda", generator=g) + 0.5
+    grad_out = torch.rand(loss.shape, device=DEVICE, generator=g) + 0.5
     (loss * grad_out).sum().backward()
 
     # float64 reference on the same (rounded) inputs
@@ -231,8 +232,12 @@ def main():
     parser.add_argument("--fuzz-cases", type=int, default=2000)
     parser.add_argument("--fuzz-seconds", type=float, default=240)
     parser.add_argument("--digest-only", action="store_true", help="print a digest of one step (subprocess check)")
+    parser.add_argument("--fuzz-only", action="store_true")
     args = parser.parse_args()
     flce = load()
+    if args.fuzz_only:
+        fuzz(flce, args.fuzz_cases, args.fuzz_seconds)
+        return
     if args.digest_only:
         print(next(iter(step_digest(flce, 1))))
         return

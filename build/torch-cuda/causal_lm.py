@@ -1,0 +1,297 @@
+"""Causal-LM loss straight from the hidden states, as transformers computes it from the logits.
+
+transformers' ``ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+shift_labels)`` shifts the labels (pads them with ``ignore_index`` and drops the first), takes
+the cross-entropy of the fp32 logits, and divides the sum by ``num_items_in_batch`` when it is
+given (so that gradient accumulation is exact), else takes the mean. ``causal_lm_loss`` does the
+same from ``hidden_states`` and the lm_head, without the (tokens, vocab) logits.
+
+The model-level helpers (``logit_options``, ``fused_forward``, ``patch_forward``) read a
+transformers model but import nothing from transformers at module level: the kernel has no
+Python dependencies.
+"""
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .interface import fused_linear_cross_entropy
+
+
+def shift_labels_for_causal_lm(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Targets of each position, as ``ForCausalLMLoss`` makes them: ``labels[..., 1:]`` with one
+    ``ignore_index`` appended, so the result has ``labels``' shape (B, S) and position i predicts
+    ``labels[..., i + 1]``."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _autocast_inputs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
+    # Under autocast, ``lm_head(hidden)`` would run in the autocast dtype; the custom op is not
+    # autocast-aware (and wants one dtype), so cast here as the linear layer would.
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def causal_lm_loss(
+    hidden_states: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor | None = None,
+    lm_head_bias: Tensor | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    return_metrics: bool = False,
+    *,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    return_lse: bool = False,
+):
+    """transformers' ``ForCausalLMLoss`` of the logits ``lm_head(hidden_states)``, without the logits.
+
+    The logits are ``z = (hidden_states @ lm_head_weight.T + lm_head_bias) * logit_scale``, then
+    ``softcap * tanh(z / softcap)`` when ``softcap`` is set (Gemma-2/3's final_logit_softcapping).
+
+    Args:
+        hidden_states: (B, S, H) (any leading shape), the backbone's last hidden states.
+        lm_head_weight: (V, H), hidden_states' dtype (the embedding matrix when tied).
+        labels: (B, S) int64, unshifted: position i is scored against ``labels[..., i + 1]``.
+            Ignored when ``shift_labels`` is given.
+        lm_head_bias: (V,) or None.
+        num_items_in_batch: if given, the loss is the sum over the non-ignored positions divided
+            by it (a count over all micro-batches, as the HF Trainer passes it), else their mean.
+        ignore_index: label of positions without a loss.
+        shift_labels: (B, S) targets already shifted (context/sequence parallelism); used as is.
+        logit_scale, softcap: see above.
+        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32,
+            "num_valid_tokens": int64}``, 0-d sums over the non-ignored positions (see
+            ``token_metrics`` to turn them into accuracy and mean entropy across ranks).
+        label_smoothing, z_loss_scale: passed to ``fused_linear_cross_entropy`` (0 = off).
+        return_lse: also return the per-position ``logsumexp(z)``, float32 of the targets' shape.
+
+    Returns:
+        ``loss`` (0-d float32), or ``(loss, metrics)``, ``(loss, lse)``, ``(loss, metrics, lse)``.
+        With mean reduction and no valid position the loss is NaN, as in transformers.
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("causal_lm_loss needs labels or shift_labels")
+        shift_labels = shift_labels_for_causal_lm(labels, ignore_index)
+    hidden_size = hidden_states.shape[-1]
+    hidden_2d = hidden_states.reshape(-1, hidden_size)
+    targets = shift_labels.reshape(-1).to(hidden_2d.device)
+    if targets.shape[0] != hidden_2d.shape[0]:
+        raise ValueError(f"labels have {targets.shape[0]} positions but hidden_states has {hidden_2d.shape[0]}")
+    hidden_2d, weight, bias = _autocast_inputs(hidden_2d, lm_head_weight, lm_head_bias)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    out = fused_linear_cross_entropy(
+        hidden_2d, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, return_metrics,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
+    )
+    out = list(out) if isinstance(out, tuple) else [out]
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(out[0].device)
+        out[0] = out[0] / num_items_in_batch
+    if return_metrics:
+        out[1] = {**out[1], "num_valid_tokens": (targets != ignore_index).sum()}
+    if return_lse:
+        out[-1] = out[-1].reshape(shift_labels.shape)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def token_metrics(
+    metrics: dict[str, Tensor], sum_across: Callable[[Tensor], Tensor] | None = None
+) -> dict[str, Tensor]:
+    """Token accuracy and mean entropy from the sums of ``causal_lm_loss(..., return_metrics=True)``.
+
+    Each sum is first summed over ranks, then divided, so that the result is the ratio over all the
+    ranks' tokens (not a mean of per-rank ratios). 0 when there is no valid token (as TRL logs).
+
+    Args:
+        metrics: ``{"num_correct_tokens", "entropy_sum", "num_valid_tokens"}``, 0-d tensors.
+        sum_across: sums a 0-d tensor over the ranks, e.g.
+            ``lambda t: accelerator.gather_for_metrics(t).sum()``. By default an all-reduce of the
+            default ``torch.distributed`` group when one is initialised, else the identity.
+
+    Returns:
+        ``{"mean_token_accuracy": float32 0-d, "entropy": float32 0-d}`` (entropy in nats).
+    """
+    if sum_across is None:
+        sum_across = _all_reduce_sum
+    num_valid = sum_across(metrics["num_valid_tokens"].detach()).float()
+    correct = sum_across(metrics["num_correct_tokens"].detach()).float()
+    entropy = sum_across(metrics["entropy_sum"].detach()).float()
+    has_tokens = num_valid > 0
+    denominator = torch.where(has_tokens, num_valid, torch.ones_like(num_valid))
+    zero = torch.zeros_like(num_valid)
+    return {
+        "mean_token_accuracy": torch.where(has_tokens, correct / denominator, zero),
+        "entropy": torch.where(has_tokens, entropy / denominator, zero),
+    }
+
+
+def _all_reduce_sum(t: Tensor) -> Tensor:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+# ---- transformers models ----------------------------------------------------------------
+def logit_options(config: Any) -> dict[str, float | None]:
+    """``{"logit_scale", "softcap"}`` of the final logits of a transformers causal-LM config.
+
+    Read as the models of transformers 5.x apply them after the lm_head: Gemma-2/3/3n/4's
+    ``final_logit_softcapping``; Cohere's ``logit_scale``; Falcon-H1's ``lm_head_multiplier``;
+    Granite's ``logits_scaling`` (a divisor; HyperCLOVA X multiplies by it). Multimodal configs
+    are read through their text config.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None)
+    scale = getattr(text, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None) is not None:
+        scaling = float(text.logits_scaling)
+        scale = scaling if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / scaling
+    return {"logit_scale": 1.0 if scale is None else float(scale), "softcap": float(softcap) if softcap else None}
+
+
+@dataclass
+class FusedCausalLMOutput:
+    """What ``fused_forward`` returns: a ``CausalLMOutputWithPast`` without logits, plus the loss's
+    metrics (and lse when asked). Indexing works as on transformers' ``ModelOutput``:
+    ``out["loss"]``, or ``out[0]`` over the fields that are not None."""
+
+    loss: Tensor | None = None
+    logits: Tensor | None = None
+    past_key_values: Any = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+    metrics: dict[str, Tensor] | None = None
+    lse: Tensor | None = None
+
+    def to_tuple(self) -> tuple:
+        return tuple(v for v in (getattr(self, f.name) for f in fields(self)) if v is not None)
+
+    def __getitem__(self, key: str | int):
+        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
+
+
+# Arguments of a *ForCausalLM forward that its backbone does not take.
+_HEAD_ONLY_ARGUMENTS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "return_dict")
+
+
+def _named_arguments(model, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, per the signature of the model class's forward."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(type(model).forward).bind(model, *args, **kwargs)
+    named = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL and name != "self":
+            named[name] = value
+    return named
+
+
+def fused_forward(
+    model,
+    *args,
+    labels: Tensor | None = None,
+    shift_labels: Tensor | None = None,
+    num_items_in_batch: Tensor | int | None = None,
+    ignore_index: int = -100,
+    return_metrics: bool = False,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    return_lse: bool = False,
+    **kwargs,
+):
+    """A transformers ``*ForCausalLM`` forward whose loss skips the logits.
+
+    Runs the backbone (``model.base_model``) on the inputs, then ``causal_lm_loss`` of its last
+    hidden state with the output embeddings (``model.get_output_embeddings()``, so tied weights
+    get their gradient through both uses) and the config's ``logit_options``. Same loss as
+    ``model(**inputs, labels=labels).loss``.
+
+    Args:
+        model: a transformers causal LM (``LlamaForCausalLM``, ``Gemma2ForCausalLM``...).
+        *args, **kwargs: the model's inputs (input_ids, attention_mask, position_ids...).
+        labels, shift_labels, num_items_in_batch, ignore_index: as for the model's loss.
+        return_metrics, label_smoothing, z_loss_scale, return_lse: see ``causal_lm_loss``.
+
+    Returns:
+        A ``FusedCausalLMOutput`` with ``loss`` (0-d float32), ``logits=None``, the backbone's
+        ``past_key_values``/``hidden_states``/``attentions``, ``metrics`` (with return_metrics)
+        and ``lse`` (B, S) (with return_lse).
+    """
+    inputs = _named_arguments(model, args, kwargs)
+    labels = inputs.pop("labels", labels)
+    shift_labels = inputs.pop("shift_labels", shift_labels)
+    num_items_in_batch = inputs.pop("num_items_in_batch", num_items_in_batch)
+    for name in _HEAD_ONLY_ARGUMENTS:
+        inputs.pop(name, None)
+    inputs.setdefault("use_cache", False)  # no generation follows a loss without logits
+    backbone = model.base_model
+    outputs = backbone(**inputs)
+    hidden = outputs.last_hidden_state
+    lm_head = model.get_output_embeddings()
+    result = causal_lm_loss(
+        hidden, lm_head.weight, labels, lm_head.bias, num_items_in_batch, ignore_index, shift_labels,
+        **logit_options(model.config), return_metrics=return_metrics,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
+    )
+    result = list(result) if isinstance(result, tuple) else [result]
+    return FusedCausalLMOutput(
+        loss=result[0],
+        past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+        metrics=result[1] if return_metrics else None,
+        lse=result[-1] if return_lse else None,
+    )
+
+
+def patch_forward(model, *, when_training: bool = True):
+    """Makes ``model(...)`` compute its loss with ``fused_forward``, in place; returns the model.
+
+    After it, ``model(**inputs, labels=labels)`` takes the fused path while ``model.training``
+    (when ``when_training``), and ``model(..., fused_loss=True)`` always does; otherwise (eval,
+    generation, no labels, ``fused_loss=False``) the original forward runs and returns logits.
+    The fused path also takes ``return_metrics``, ``label_smoothing``, ``z_loss_scale`` and
+    ``return_lse`` (see ``fused_forward``). Wrappers (DDP, FSDP, accelerate) keep working since
+    the call still goes through ``model.forward``; the patched forward keeps the class forward's
+    signature, which the HF Trainer and ``generate`` inspect.
+    """
+    # An attribute rather than a closure: copy.deepcopy rebinds it to the copy (a reference
+    # model made by deepcopy must not run the original's weights).
+    model._flce_original_forward = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_loss: bool | None = None, **kwargs):
+        if fused_loss is None:
+            has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+            fused_loss = when_training and self.training and has_labels
+        if fused_loss:
+            return fused_forward(self, *args, **kwargs)
+        return self._flce_original_forward(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+    return model

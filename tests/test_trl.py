@@ -1,0 +1,60 @@
+"""The example TRL trainer (examples/trl_sft_fused.py) trains and logs as TRL 1.16's own
+SFTTrainer: same loss, mean_token_accuracy, entropy and num_tokens at every logged step, in
+training and evaluation, and the same weights after a few steps (tiny model, CPU, float32)."""
+
+import importlib.util
+
+import pytest
+import torch
+from _tiny import ROOT
+
+trl = pytest.importorskip("trl")
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("trl_sft_fused", ROOT / "examples" / "trl_sft_fused.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train(example, trainer_cls, output_dir, checkpointing=False, **kwargs):
+    model, tokenizer, dataset = example.tiny_setup(num_examples=16)
+    _, _, eval_dataset = example.tiny_setup(num_examples=6, seed=1)
+    args = trl.SFTConfig(
+        output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, bf16=False, completion_only_loss=True, seed=0,
+        activation_checkpointing=checkpointing, disable_tqdm=True,
+    )
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                          processing_class=tokenizer, **kwargs)
+    trainer.train()
+    trainer.evaluate()
+    return trainer
+
+
+def test_fused_trainer_logs_as_sft_trainer(flce, example, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch CPU path: the interpreter adds nothing here
+    reference = _train(example, trl.SFTTrainer, tmp_path / "reference")
+    # with SFTConfig's default activation checkpointing, which changes nothing but memory
+    fused = _train(example, example.FusedSFTTrainer, tmp_path / "fused", checkpointing=True, kernel=flce)
+
+    keys = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm",
+            "eval_loss", "eval_mean_token_accuracy", "eval_entropy")
+    ref_logs = [{k: v for k, v in r.items() if k in keys} for r in reference.state.log_history]
+    fused_logs = [{k: v for k, v in r.items() if k in keys} for r in fused.state.log_history]
+    assert len(ref_logs) == 5  # 3 steps, the evaluation, the summary (without these keys)
+    assert [r.keys() for r in fused_logs] == [r.keys() for r in ref_logs]
+    for ref, got in zip(ref_logs, fused_logs, strict=True):
+        for key, value in ref.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    accuracies = [r[k] for r in ref_logs for k in ("mean_token_accuracy", "eval_mean_token_accuracy") if k in r]
+    assert max(accuracies) > 0.1 and min(accuracies) < max(accuracies)  # the metric is not trivially 0
+
+    # SGD: the weights differ by lr times the gradients' fp32 differences (Adam would amplify
+    # those of near-zero gradients)
+    ref_params = dict(reference.model.named_parameters())
+    for name, p in fused.model.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6)
