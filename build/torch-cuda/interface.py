@@ -54,6 +54,20 @@ def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction
         raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
 
 
+def _autocast(hidden, weight, bias):
+    """Under torch.autocast, the inputs take the autocast dtype, as F.linear's would (the
+    loss itself is accumulated in fp32 regardless)."""
+    device_type = hidden.device.type if isinstance(hidden, Tensor) else "cpu"
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def _targets_checked() -> bool:
     # The range check needs one host sync: skipped while tracing or capturing a CUDA graph,
     # and when FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
@@ -125,11 +139,15 @@ def fused_linear_cross_entropy(
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
 
+    Under ``torch.autocast`` the three take the autocast dtype first, as ``F.linear``'s
+    inputs would; outside it they must share one dtype.
+
     Gradients reach ``hidden``, ``weight`` and ``bias``. When they are needed and the
     reduction is "mean" or "sum" (without ``return_lse``), they are computed during the
     forward and only scaled by the backward, so call it under ``torch.no_grad()`` when no
     backward will follow.
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     vocab_size, hidden_size = weight.shape
     group_name, total_vocab_size = None, vocab_size
