@@ -28,6 +28,10 @@ def _shard(group_name: str | None, vocab_start: int, total_vocab_size: int) -> S
     return None if group_name is None else Shard(resolve_group(group_name), vocab_start, total_vocab_size)
 
 
+def _no_autocast(t: Tensor):
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
@@ -45,8 +49,9 @@ def forward_op(
     vocabulary of ``total_vocab_size`` sharded over that group's ranks."""
     opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
                     return_metrics)
-    res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, (grad_hidden, grad_weight, grad_bias),
-                           _shard(group_name, vocab_start, total_vocab_size))
+    with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
+        res = _chunked.forward(hidden, weight, targets, bias, opts, reduction,
+                               (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size))
     return (
         res.loss, res.lse, res.num_correct, res.entropy_sum,
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
@@ -79,8 +84,10 @@ def backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients by recomputation for a per-row ``loss_grad`` [N] and optional ``lse_grad`` [N]."""
     opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size)
-    grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts,
-                              (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size))
+    with _no_autocast(hidden):
+        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts,
+                                  (grad_hidden, grad_weight, grad_bias),
+                                  _shard(group_name, vocab_start, total_vocab_size))
     return tuple(_or_empty(g, hidden) for g in grads)
 
 
