@@ -1,0 +1,202 @@
+"""Regenerates BENCHMARKS.md, the plots and README's headline table from the recorded JSON.
+
+Every number in them comes from the files in benchmarks/results/ (bench.py's output); none
+is typed by hand.
+
+    python benchmarks/report.py
+"""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PLOTS = ROOT / "benchmarks" / "plots"
+OURS = "fused-linear-ce"
+PEERS = ["torch", "torch.compile", "liger", "cce", "cce-exact"]
+MAIN_ROWS = ["gemma2", "llama3", "qwen25", "llama2"]
+SCALING = {"llama3-n2048": 2048, "llama3": 8192, "llama3-n32768": 32768, "llama3-n65536": 65536}
+README_MARK = "<!-- BENCHMARK-TABLE -->"
+
+
+def load():
+    """Latest result per (row, inputs, method) over the recorded runs, with its environment."""
+    runs, latest = [], {}
+    for path in sorted(RESULTS.glob("h200-*.json")):
+        data = json.loads(path.read_text())
+        runs.append((path.name, data))
+        for r in data["results"]:
+            latest[(r["row"], r["inputs"], r["method"])] = {**r, "_file": path.name,
+                                                             "_matmul": data.get("matmul_tflops")}
+    return runs, latest
+
+
+def fmt(x, spec=".1f"):
+    return "—" if x is None else format(x, spec)
+
+
+def best_peer(latest, row, inputs, key):
+    values = [latest[(row, inputs, m)][key] for m in PEERS
+              if (row, inputs, m) in latest and key in latest[(row, inputs, m)]]
+    return min(values) if values else None
+
+
+def logits_mib(r):
+    return r["n_tokens"] * r["vocab_size"] * 2 / 2**20
+
+
+def table(latest, rows, inputs):
+    lines = ["| head (H, V), N | method | fwd ms | step ms | step peak MiB | peak − grads MiB | "
+             "loss err | grad_h err | grad_w err |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        first = True
+        for method in [OURS, *PEERS]:
+            r = latest.get((row, inputs, method))
+            if r is None:
+                continue
+            head = f"{row} ({r['hidden_size']}, {r['vocab_size']}), {r['n_tokens']}, {r['dtype']}" if first else ""
+            first = False
+            if "error" in r:
+                lines.append(f"| {head} | {method} | {r['error'][:60]} | | | | | | |")
+                continue
+            name = f"**{method}**" if method == OURS else method
+            lines.append(
+                f"| {head} | {name} | {fmt(r['fwd_ms'], '.2f')} | {fmt(r['step_ms'], '.2f')} | "
+                f"{fmt(r['step_peak_mib'], '.0f')} | {fmt(r['step_peak_minus_grads_mib'], '.0f')} | "
+                f"{fmt(r.get('loss_err'), '.1e')} | {fmt(r.get('grad_hidden_err'), '.1e')} | "
+                f"{fmt(r.get('grad_weight_err'), '.1e')} |")
+    return "\n".join(lines)
+
+
+def targets(latest, rows, inputs):
+    """The performance issue's targets, row by row, from the same run's numbers."""
+    lines = ["| row | step / fastest peer (≤ 0.90) | fastest peer fwd / fwd (≥ 1.10) | "
+             "peak − grads / bf16 logits (≤ 25%) | errors ≤ PyTorch's |", "|---|---|---|---|---|"]
+    for row in rows:
+        ours = latest.get((row, inputs, OURS))
+        if ours is None or "error" in ours:
+            continue
+        step_peer = best_peer(latest, row, inputs, "step_ms")
+        fwd_peer = best_peer(latest, row, inputs, "fwd_ms")
+        step_ratio = ours["step_ms"] / step_peer if step_peer else None
+        fwd_ratio = fwd_peer / ours["fwd_ms"] if fwd_peer else None
+        mem_ratio = ours["step_peak_minus_grads_mib"] / logits_mib(ours)
+        torch_r = latest.get((row, inputs, "torch"), {})
+        errs_ok = None
+        if "loss_err" in ours and "loss_err" in torch_r:
+            errs_ok = all(ours[k] <= torch_r[k] * 1.0001 + 1e-7
+                          for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
+
+        def mark(ok):
+            return "" if ok is None else (" ✓" if ok else " ✗")
+
+        errs = "—" if errs_ok is None else ("yes ✓" if errs_ok else "no ✗")
+        lines.append(
+            f"| {row} | {fmt(step_ratio, '.2f')}{mark(step_ratio and step_ratio <= 0.9)} | "
+            f"{fmt(fwd_ratio, '.2f')}{mark(fwd_ratio and fwd_ratio >= 1.1)} | "
+            f"{mem_ratio:.0%}{mark(mem_ratio <= 0.25)} | {errs} |")
+    return "\n".join(lines)
+
+
+def plots(latest, inputs="lm"):
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    made = []
+    for key, ylabel, name in (("step_ms", "training step (ms)", "scaling_time.png"),
+                              ("step_peak_minus_grads_mib", "peak extra memory of a step, less the gradients (MiB)",
+                               "scaling_memory.png")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for method in [OURS, *PEERS]:
+            pts = [(n, latest[(row, inputs, method)][key]) for row, n in SCALING.items()
+                   if (row, inputs, method) in latest and key in latest[(row, inputs, method)]]
+            if len(pts) >= 2:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=method, linewidth=2.5 if method == OURS else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N (Llama-3-8B head, H 4096, V 128256, bf16)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(PLOTS / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def environment(runs):
+    lines = []
+    for name, data in runs:
+        env = data["environment"]
+        v = env["versions"]
+        lines.append(f"- `{name}`: {env['gpu']} ({env['sm_count']} SMs, driver {env['driver']}), "
+                     f"torch {v['torch']}, triton {v['triton']}, liger-kernel {v.get('liger_kernel')}, "
+                     f"cut-cross-entropy {v.get('cut_cross_entropy')}; {env['date']}; measured bf16 matmul "
+                     f"{data['matmul_tflops']:.0f} TFLOP/s; `{env['command']}`")
+    return "\n".join(lines)
+
+
+def main():
+    runs, latest = load()
+    present = {k[1] for k in latest}
+    other_rows = sorted({k[0] for k in latest} - set(MAIN_ROWS) - set(SCALING))
+    made = plots(latest)
+    parts = [
+        "# Benchmarks",
+        "",
+        "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`, which "
+        "`benchmarks/bench.py` wrote on the GPU (`scripts/gpu-check bench`). Times are medians of "
+        "`triton.testing.do_bench`; a step is forward + backward with gradients for hidden and weight; "
+        "peak is the peak allocated memory of one step above what was allocated before it, and "
+        "\"peak − grads\" subtracts the gradients' own bytes. Errors are relative to a float32 "
+        "reference on the same inputs. \"lm\" inputs are a peaked, Zipf-skewed softmax with targets "
+        "drawn from it (about 5 nats, 25% top-1); \"uniform\" are logits ~ N(0, 1). 10% of targets "
+        "are ignored.",
+        "",
+        "## Runs",
+        "",
+        environment(runs),
+    ]
+    for inputs in ("lm", "uniform"):
+        if inputs not in present:
+            continue
+        parts += ["", f"## Targets of the performance issue ({inputs} inputs)", "",
+                  targets(latest, MAIN_ROWS + [r for r in other_rows if "slice" not in r], inputs),
+                  "", f"## Main heads, N = 8192 ({inputs} inputs)", "", table(latest, MAIN_ROWS, inputs)]
+    if any((row, "lm", OURS) in latest for row in SCALING if row != "llama3"):
+        parts += ["", "## Scaling with N (Llama-3-8B head, lm inputs)", "", table(latest, list(SCALING), "lm"), ""]
+        parts += [f"![{name}](benchmarks/plots/{name})" for name in made]
+    if other_rows:
+        parts += ["", "## Other rows (dtypes, one rank's vocabulary slice)", "", table(latest, other_rows, "lm")]
+    (ROOT / "BENCHMARKS.md").write_text("\n".join(parts) + "\n")
+
+    # README: the headline table between the markers
+    readme = (ROOT / "README.md").read_text()
+    head = ["Training step (forward + backward) and evaluation forward on one H200, bf16, N = 8192, "
+            "LM-like inputs; full tables, targets and plots in [BENCHMARKS.md](BENCHMARKS.md).", "",
+            "| head (H, V) | fused-linear-ce step ms | fastest peer step ms | fused-linear-ce fwd ms | "
+            "fastest peer fwd ms | extra memory of a step, MiB (ours / torch.compile) |",
+            "|---|---|---|---|---|---|"]
+    for row in MAIN_ROWS:
+        r = latest.get((row, "lm", OURS))
+        c = latest.get((row, "lm", "torch.compile"))
+        if r is None or "error" in r:
+            continue
+        head.append(f"| {row} ({r['hidden_size']}, {r['vocab_size']}) | {r['step_ms']:.1f} | "
+                    f"{fmt(best_peer(latest, row, 'lm', 'step_ms'))} | {r['fwd_ms']:.1f} | "
+                    f"{fmt(best_peer(latest, row, 'lm', 'fwd_ms'))} | {r['step_peak_minus_grads_mib']:.0f} / "
+                    f"{fmt(c and c.get('step_peak_minus_grads_mib'), '.0f')} |")
+    start = readme.index(README_MARK)
+    end = readme.index(README_MARK, start + 1) if readme.count(README_MARK) > 1 else start
+    table_text = README_MARK + "\n" + "\n".join(head) + "\n" + README_MARK
+    readme = readme[:start] + table_text + readme[end + len(README_MARK):]
+    (ROOT / "README.md").write_text(readme)
+
+
+if __name__ == "__main__":
+    main()
