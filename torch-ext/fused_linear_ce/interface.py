@@ -162,8 +162,10 @@ def fused_linear_cross_entropy(
     bad_targets = _out_of_range(targets, total_vocab_size, ignore_index) if _targets_checked() else None
 
     leading_shape = targets.shape
-    hidden_2d = hidden.reshape(-1, hidden_size)
-    targets_1d = targets.reshape(-1)
+    hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
+    targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
+    if bias is not None:
+        bias = bias.contiguous()
     grad_wanted = torch.is_grad_enabled()
     needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
