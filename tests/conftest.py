@@ -80,8 +80,10 @@ def tolerance(dtype: torch.dtype, kind: str) -> float:
     return TOLERANCES[(DEVICE, dtype)][kind]
 
 
-def assert_rel(actual, expected, tol: float, what: str) -> None:
-    """max |actual - expected| <= tol * max(max |expected|, 1e-6), with NaN only where expected is NaN."""
+def assert_rel(actual, expected, tol: float, what: str, floor: float = 1e-6) -> None:
+    """max |actual - expected| <= tol * max(max |expected|, floor), with NaN and inf only where
+    expected has them. ``floor`` is the scale of the quantity when the expected value happens
+    to be much smaller than its terms (a loss near 0 made of logits near 1e3, say)."""
     actual = torch.as_tensor(actual).detach().cpu().double()
     expected = torch.as_tensor(expected).detach().cpu().double()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
@@ -92,7 +94,7 @@ def assert_rel(actual, expected, tol: float, what: str) -> None:
         assert torch.equal(actual[expected.isinf()], expected[expected.isinf()]), f"{what}: wrong infinities"
         return
     a, e = actual[finite], expected[finite]
-    scale = max(e.abs().max().item(), 1e-6)
+    scale = max(e.abs().max().item(), floor)
     err = (a - e).abs().max().item()
     assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol:g} x {scale:.3g} (ratio {err / scale:.3g})"
 

@@ -16,6 +16,7 @@ class Reference:
     lse: torch.Tensor  # float64, targets' shape
     num_correct: int  # rows (not ignored) whose argmax is the target, PyTorch's first-index tie-break
     num_ambiguous: int  # rows (not ignored) where a rounding of the logits could flip that answer
+    num_correct_unambiguous: int  # rows counted in num_correct that are not ambiguous
     entropy_sum: torch.Tensor  # float64 ()
     logits: torch.Tensor  # float64 [rows, V]
     grad_hidden: torch.Tensor | None = None  # float64, hidden's shape
@@ -75,11 +76,13 @@ def reference(
         # A row is ambiguous when its target and another entry are within a rounding of the max
         # (and they are not exactly equal, where the first-index rule decides unambiguously).
         top = zd.max(dim=-1).values
-        tol = ambiguity_tol * zd.abs().amax(dim=-1).clamp_min(1.0)
+        finite_abs = torch.where(zd.isfinite(), zd.abs(), torch.zeros_like(zd))  # -inf bias entries
+        tol = ambiguity_tol * finite_abs.amax(dim=-1).clamp_min(1.0)
         near = (zd >= (top - tol)[:, None]) & (zd != top[:, None])
         ambiguous = valid & near.any(dim=-1)
         num_correct = int(correct.sum())
         num_ambiguous = int(ambiguous.sum())
+        num_correct_unambiguous = int((correct & ~ambiguous).sum())
         entropy_sum = torch.where(valid, entropy, torch.zeros_like(entropy)).sum()
 
     grads = [None, None, None]
@@ -95,6 +98,7 @@ def reference(
             grads = [next(got) if leaf is not None and leaf.requires_grad else None for leaf in leaves]
     return Reference(
         loss=loss.detach(), lse=lse.detach().reshape(targets.shape), num_correct=num_correct,
-        num_ambiguous=num_ambiguous, entropy_sum=entropy_sum, logits=z.detach(),
+        num_ambiguous=num_ambiguous, num_correct_unambiguous=num_correct_unambiguous, entropy_sum=entropy_sum,
+        logits=z.detach(),
         grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2],
     )
