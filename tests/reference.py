@@ -1,7 +1,7 @@
 """A float64 PyTorch reference of ``fused_linear_cross_entropy``, independent of the package.
 
-The inputs are the same (already rounded) tensors that the kernel sees, promoted to float64,
-so the reference differs from the kernel only by the kernel's own arithmetic.
+The inputs are the same (already rounded) tensors that the kernel sees, moved to the CPU and
+promoted to float64, so the reference differs from the kernel only by the kernel's own arithmetic.
 """
 
 from dataclasses import dataclass
@@ -24,17 +24,6 @@ class Reference:
     grad_bias: torch.Tensor | None = None
 
 
-def logits64(hidden, weight, bias=None, logit_scale=1.0, softcap=None):
-    """The final logits z in float64, (..., V)."""
-    z = hidden.detach().double() @ weight.detach().double().T
-    if bias is not None:
-        z = z + bias.detach().double()
-    z = z * logit_scale
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z
-
-
 def reference(
     hidden, weight, targets, bias=None, ignore_index=-100, logit_scale=1.0, softcap=None, reduction="mean",
     *, label_smoothing=0.0, z_loss_scale=0.0, grad_output=None, lse_grad=None, ambiguity_tol=1e-5,
@@ -42,8 +31,9 @@ def reference(
     """Loss, lse, metrics and, when ``grad_output`` (d out / d loss) or ``lse_grad`` is given,
     the gradients of ``sum(loss * grad_output) + sum(lse * lse_grad)`` with respect to hidden,
     weight and bias (each only where that input requires grad)."""
-    leaves = [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+    leaves = [None if t is None else t.detach().cpu().double().requires_grad_(t.requires_grad)
               for t in (hidden, weight, bias)]
+    targets = targets.cpu()
     h64, w64, b64 = leaves
     vocab_size = weight.shape[0]
     z = h64 @ w64.T
@@ -89,9 +79,9 @@ def reference(
     if grad_output is not None or lse_grad is not None:
         out = torch.zeros((), dtype=torch.float64)
         if grad_output is not None:
-            out = out + (loss * torch.as_tensor(grad_output).double()).sum()
+            out = out + (loss * torch.as_tensor(grad_output).cpu().double()).sum()
         if lse_grad is not None:
-            out = out + (lse.reshape(targets.shape) * lse_grad.double()).sum()
+            out = out + (lse.reshape(targets.shape) * lse_grad.cpu().double()).sum()
         wanted = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
         if wanted:
             got = iter(torch.autograd.grad(out, wanted))

@@ -98,7 +98,11 @@ def test_cuda_variant_loads_as_a_folder_on_any_torch(flce):
 
 def test_pip_package_exposes_the_same_api(flce):
     """``import fused_linear_ce`` (pip, editable here): the same public names, ops in its own namespace."""
-    import fused_linear_ce
+    try:
+        import fused_linear_ce
+    except ImportError:  # not pip-installed (a bare GPU machine): the layout pyproject.toml maps
+        sys.path.insert(0, str(ROOT / "torch-ext"))
+        import fused_linear_ce
 
     assert fused_linear_ce.__all__ == flce.__all__ == ["fused_linear_cross_entropy"]
     assert hasattr(torch.ops.fused_linear_ce, "forward")
@@ -106,3 +110,12 @@ def test_pip_package_exposes_the_same_api(flce):
     loss = fused_linear_ce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
     assert_rel(loss, flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum"),
                tolerance(torch.float32, "loss"), "pip vs hub")
+
+
+def test_pip_package_is_the_kernel_sources():
+    """pyproject.toml installs torch-ext/fused_linear_ce, the folder build/ is generated from."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["package-dir"] == {"fused_linear_ce": "torch-ext/fused_linear_ce"}
+    assert config["project"]["name"] == "fused-linear-ce"
