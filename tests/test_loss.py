@@ -18,7 +18,7 @@ def grad_output_for(loss, value):
     return torch.randn(loss.shape, generator=gen).to(loss.device)
 
 
-def check_grads(tensors, ref, dtype, *, bitwise_zero_ignored=False):
+def check_grads(tensors, ref, dtype):
     """Each input's .grad against the reference: present (in the input's dtype) exactly when
     the input requires grad."""
     for name, t, expected in zip(("hidden", "weight", "bias"), tensors, (ref.grad_hidden, ref.grad_weight,
@@ -112,7 +112,7 @@ def test_matches_reference(flce, monkeypatch, case, dtype):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_rows_ignored(flce, device, reduction):
+def test_all_rows_ignored(flce, reduction):
     """Like PyTorch: mean is NaN (0 / 0), sum is 0, none is zeros; the gradients are exactly 0."""
     hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=1, bias=True)
     targets = torch.full_like(targets, -100)
@@ -371,6 +371,28 @@ def test_argmax_ties_take_the_first_index(flce, monkeypatch, dtype):
     assert 0 < expected < n
     _, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets.to(DEVICE), return_metrics=True)
     assert int(metrics["num_correct_tokens"]) == expected
+
+
+def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
+    """More than 128 vocabulary tiles (a real vocabulary on a GPU: V > 16384 at BLOCK_V 128): the
+    tile statistics are merged in several blocks, argmax ties across blocks included."""
+    monkeypatch.setenv("FLCE_BLOCK_V", "16")
+    v, h = 2100, 8  # 132 tiles of 16
+    gen = torch.Generator().manual_seed(24)
+    weight = torch.randint(-1, 2, (v, h), generator=gen).float()  # w . 1 <= 8 for these rows
+    weight[50] = 3.0  # tile 3: ties with tile 130 for hidden rows of ones (logit 24)
+    weight[2090] = 3.0
+    weight[2099] = -3.0  # the last tile: the unique max for hidden rows of -1
+    hidden = torch.tensor([[1.0] * h, [1.0] * h, [-1.0] * h, [0.5] * h])
+    targets = torch.tensor([50, 2090, 2099, 7])
+    hidden, weight = hidden.to(DEVICE), weight.to(DEVICE)
+    loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets.to(DEVICE), reduction="none",
+                                                    return_metrics=True)
+    ref = reference(hidden, weight, targets, reduction="none")
+    assert ref.logits.argmax(-1)[:3].tolist() == [50, 50, 2099]
+    assert int(metrics["num_correct_tokens"]) == ref.num_correct == 2
+    assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
+    assert_rel(metrics["entropy_sum"], ref.entropy_sum, tolerance(torch.float32, "loss"), "entropy_sum")
 
 
 def test_return_metrics_changes_nothing_bitwise(flce, monkeypatch):
