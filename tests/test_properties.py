@@ -14,8 +14,8 @@ from reference import reference
 # The interpreter takes about a second per forward + backward: few examples on the CPU.
 # FLCE_TEST_EXAMPLES=k multiplies them (a longer hunt for counterexamples).
 _FACTOR = float(os.environ.get("FLCE_TEST_EXAMPLES", "1"))
-EXAMPLES = int((150 if HAS_CUDA else 25) * _FACTOR)
-FEW_EXAMPLES = int((30 if HAS_CUDA else 6) * _FACTOR)
+EXAMPLES = int((150 if HAS_CUDA else 40) * _FACTOR)
+FEW_EXAMPLES = int((30 if HAS_CUDA else 8) * _FACTOR)
 
 dtypes = st.sampled_from([torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
 # Few logit kernel variants per run on a GPU: no autotuning per (H, V) of every example.
@@ -53,7 +53,7 @@ def problems(draw):
     )
 
 
-@settings(max_examples=EXAMPLES)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(problems())
 def test_random_problems_match_reference(flce, p):
     n, h, v, dtype, opts = p["n"], p["h"], p["v"], p["dtype"], p["options"]
@@ -89,10 +89,10 @@ def test_random_problems_match_reference(flce, p):
     # Scales of the errors: fp32 rounding is relative to the logits (and lse), not to a loss or
     # an entropy that can be much smaller than them; a gradient's to that of one grad logit of 1.
     z_max = 1.0 + ref.logits.abs().max().item()
-    z_max *= 1.0 + 2.0 * opts["z_loss_scale"] * z_max
+    z_loss_factor = 1.0 + 2.0 * opts["z_loss_scale"] * z_max  # d (lse + k lse^2) / d lse
     rows = num_valid if opts["reduction"] == "sum" else 1
     tol, grad_tol = tolerance(dtype, "loss"), tolerance(dtype, "grad")
-    assert_rel(loss, ref.loss, tol, "loss", floor=rows * z_max)
+    assert_rel(loss, ref.loss, tol, "loss", floor=rows * z_max * z_loss_factor)
     assert_rel(metrics["entropy_sum"], ref.entropy_sum, tol, "entropy_sum", floor=max(num_valid, 1) * z_max)
     if p["return_lse"]:
         assert_rel(out[2], ref.lse, tol, "lse", floor=z_max)
@@ -107,7 +107,7 @@ def test_random_problems_match_reference(flce, p):
     row_grad = 0.0 if nan_mean else grad_output.abs().max().item() / (num_valid if opts["reduction"] == "mean" else 1)
     if lse_grad is not None:
         row_grad += lse_grad.abs().max().item()
-    g = abs(opts["logit_scale"]) * row_grad * (1.0 + 2.0 * opts["z_loss_scale"] * z_max)
+    g = abs(opts["logit_scale"]) * row_grad * z_loss_factor
     for name, t, expected, other in (("hidden", hidden, ref.grad_hidden, weight),
                                      ("weight", weight, ref.grad_weight, hidden), ("bias", bias, ref.grad_bias, None)):
         if t is not None:
@@ -127,7 +127,7 @@ def _integer_problem(seed, n, h, v, low=-3, high=4):
     return hidden, weight, bias, targets
 
 
-@settings(max_examples=FEW_EXAMPLES)
+@settings(max_examples=FEW_EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 30), h=st.integers(1, 24), v=st.integers(2, 120),
        dtype=dtypes, shift=st.sampled_from([-37.0, 5.0, 200.0]), logit_scale=st.sampled_from([1.0, 0.5]),
        label_smoothing=st.sampled_from([0.0, 0.3]), reduction=st.sampled_from(["mean", "sum", "none"]))
@@ -240,7 +240,7 @@ def test_minus_inf_bias_entries(flce, monkeypatch, dtype, path):
 
 
 # ---- logit_scale = 0 ----------------------------------------------------------------------------
-@settings(max_examples=FEW_EXAMPLES)
+@settings(max_examples=FEW_EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), h=st.integers(1, 48), v=st.integers(1, 150),
        dtype=dtypes, label_smoothing=st.sampled_from([0.0, 0.5]), z_loss_scale=st.sampled_from([0.0, 0.1]),
        reduction=st.sampled_from(["mean", "sum", "none"]))
