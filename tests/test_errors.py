@@ -1,0 +1,179 @@
+"""Argument errors (type and the argument's name), unchecked targets, empty inputs and the
+documented limitation of the in-forward gradients."""
+
+import pytest
+import torch
+from conftest import DEVICE, assert_rel, make_inputs, tolerance
+from reference import reference
+
+N, H, V = 6, 8, 11
+
+
+@pytest.fixture
+def inputs():
+    hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=0, bias=True)
+    return dict(hidden=hidden, weight=weight, targets=targets, bias=bias)
+
+
+def _with(inputs, **changes):
+    return {**inputs, **changes}
+
+
+# (what is wrong, a function of the valid inputs giving the call's arguments, exception, argument named)
+BAD_ARGUMENTS = [
+    ("hidden_not_tensor", lambda a: _with(a, hidden=a["hidden"].tolist()), TypeError, "hidden"),
+    ("weight_not_tensor", lambda a: _with(a, weight=None), TypeError, "weight"),
+    ("targets_not_tensor", lambda a: _with(a, targets=[1] * N), TypeError, "targets"),
+    ("bias_not_tensor", lambda a: _with(a, bias=[0.0] * V), TypeError, "bias"),
+    ("hidden_int", lambda a: _with(a, hidden=a["hidden"].long()), TypeError, "hidden"),
+    ("hidden_float64", lambda a: _with(a, hidden=a["hidden"].double()), TypeError, "hidden"),
+    ("weight_other_dtype", lambda a: _with(a, weight=a["weight"].half()), TypeError, "weight"),
+    ("bias_other_dtype", lambda a: _with(a, bias=a["bias"].half()), TypeError, "bias"),
+    ("targets_float", lambda a: _with(a, targets=a["targets"].float()), TypeError, "targets"),
+    ("targets_int16", lambda a: _with(a, targets=a["targets"].short()), TypeError, "targets"),
+    ("hidden_0d", lambda a: _with(a, hidden=a["hidden"][0, 0]), ValueError, "hidden"),
+    ("weight_1d", lambda a: _with(a, weight=a["weight"][0]), ValueError, "weight"),
+    ("weight_other_h", lambda a: _with(a, weight=a["weight"][:, :-1]), ValueError, "weight"),
+    ("weight_no_rows", lambda a: _with(a, weight=a["weight"][:0], bias=None), ValueError, "weight"),
+    ("targets_other_shape", lambda a: _with(a, targets=a["targets"][:-1]), ValueError, "targets"),
+    ("targets_2d", lambda a: _with(a, targets=a["targets"][:, None]), ValueError, "targets"),
+    ("bias_other_shape", lambda a: _with(a, bias=a["bias"][:-1]), ValueError, "bias"),
+    ("weight_other_device", lambda a: _with(a, weight=a["weight"].to("meta")), ValueError, "weight"),
+    ("targets_other_device", lambda a: _with(a, targets=a["targets"].to("meta")), ValueError, "targets"),
+    ("bias_other_device", lambda a: _with(a, bias=a["bias"].to("meta")), ValueError, "bias"),
+    ("reduction_unknown", lambda a: _with(a, reduction="avg"), ValueError, "reduction"),
+    ("logit_scale_nan", lambda a: _with(a, logit_scale=float("nan")), ValueError, "logit_scale"),
+    ("logit_scale_inf", lambda a: _with(a, logit_scale=float("inf")), ValueError, "logit_scale"),
+    ("softcap_zero", lambda a: _with(a, softcap=0.0), ValueError, "softcap"),
+    ("softcap_negative", lambda a: _with(a, softcap=-5.0), ValueError, "softcap"),
+    ("softcap_inf", lambda a: _with(a, softcap=float("inf")), ValueError, "softcap"),
+    ("label_smoothing_negative", lambda a: _with(a, label_smoothing=-0.1), ValueError, "label_smoothing"),
+    ("label_smoothing_above_1", lambda a: _with(a, label_smoothing=1.5), ValueError, "label_smoothing"),
+    ("z_loss_scale_negative", lambda a: _with(a, z_loss_scale=-1e-4), ValueError, "z_loss_scale"),
+    ("z_loss_scale_nan", lambda a: _with(a, z_loss_scale=float("nan")), ValueError, "z_loss_scale"),
+    ("target_equal_to_v", lambda a: _with(a, targets=_set_first(a["targets"], V)), ValueError, "targets"),
+    ("target_negative", lambda a: _with(a, targets=_set_first(a["targets"], -1)), ValueError, "targets"),
+    ("target_huge", lambda a: _with(a, targets=_set_first(a["targets"], 2**40)), ValueError, "targets"),
+    ("target_is_default_ignore_index_but_another_is_set",
+     lambda a: _with(a, targets=_set_first(a["targets"], -100), ignore_index=-1), ValueError, "targets"),
+]
+
+
+def _set_first(targets, value):
+    targets = targets.clone()
+    targets[0] = value
+    return targets
+
+
+@pytest.mark.parametrize(("make", "error", "name"), [b[1:] for b in BAD_ARGUMENTS], ids=[b[0] for b in BAD_ARGUMENTS])
+def test_bad_argument_raises_naming_it(flce, inputs, make, error, name):
+    with pytest.raises(error, match=name):
+        flce.fused_linear_cross_entropy(**make(inputs))
+
+
+def test_valid_edge_values_are_accepted(flce, inputs):
+    """The bounds themselves are valid: label_smoothing 0 and 1, z_loss_scale 0, a tiny softcap,
+    logit_scale 0 or negative, int32 targets, an ignore_index inside [0, V)."""
+    for kwargs in (dict(label_smoothing=1.0), dict(label_smoothing=0.0, z_loss_scale=0.0), dict(softcap=1e-3),
+                   dict(logit_scale=0), dict(logit_scale=-2.0), dict(ignore_index=3)):
+        loss = flce.fused_linear_cross_entropy(**inputs, **kwargs)
+        expected = reference(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["bias"], **kwargs).loss
+        assert_rel(loss, expected, tolerance(torch.float32, "loss"), str(kwargs))
+    targets32 = inputs["targets"].int()
+    assert torch.isfinite(flce.fused_linear_cross_entropy(**_with(inputs, targets=targets32)))
+
+
+# ---- targets out of range with the check disabled -----------------------------------------------
+TARGET_IN_PADDED_TILE = (
+    "product bug: a target in [V, last tile's end) matches a masked column of the last vocabulary tile, "
+    "whose logit is -inf, so the loss is +inf instead of NaN (the torch backend gives NaN)"
+)
+
+
+@pytest.mark.parametrize("bad_target", [
+    pytest.param(V, marks=pytest.mark.xfail(strict=True, reason=TARGET_IN_PADDED_TILE)),
+    -1,
+    10**6,
+])
+def test_unchecked_out_of_range_target_gives_nan(flce, inputs, monkeypatch, bad_target):
+    """FLCE_CHECK_TARGETS=0 (as under torch.compile or CUDA-graph capture): no error, no crash,
+    a NaN loss for that row (and so for the mean); the other rows are unaffected."""
+    monkeypatch.setenv("FLCE_CHECK_TARGETS", "0")
+    targets = _set_first(inputs["targets"], bad_target)
+    loss = flce.fused_linear_cross_entropy(**_with(inputs, targets=targets))
+    assert torch.isnan(loss)
+    loss.backward()  # the in-forward gradient path does not crash either
+
+    per_row = flce.fused_linear_cross_entropy(**_with(inputs, targets=targets), reduction="none")
+    assert torch.isnan(per_row[0])
+    good = reference(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["bias"], reduction="none").loss
+    assert_rel(per_row[1:], good[1:], tolerance(torch.float32, "loss"), "other rows")
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # an illegal memory access would surface here
+
+
+# ---- empty inputs ---------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_rows(flce, reduction):
+    """N = 0, like PyTorch: sum is 0, mean is NaN, none is empty; gradients are zero (weight,
+    bias) or empty (hidden)."""
+    hidden, weight, targets, bias = make_inputs(1, H, V, torch.float32, seed=1, bias=True)
+    hidden = hidden.detach()[:0].requires_grad_()
+    targets = targets[:0]
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction)
+    expected = torch.nn.functional.cross_entropy(torch.zeros(0, V), targets.cpu(), reduction=reduction)
+    assert loss.shape == expected.shape and loss.dtype == torch.float32
+    if reduction == "mean":
+        assert torch.isnan(loss) and torch.isnan(expected)
+    elif reduction == "sum":
+        assert loss.item() == 0.0 == expected.item()
+    loss.sum().backward()
+    assert hidden.grad.shape == (0, H)
+    assert torch.count_nonzero(weight.grad) == 0 and torch.count_nonzero(bias.grad) == 0
+
+
+def test_no_rows_with_leading_dims(flce):
+    hidden, weight, targets, _ = make_inputs(1, H, V, torch.float32, seed=2, lead=(2, 0), requires_grad=False)
+    loss, lse = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none", return_lse=True)
+    assert loss.shape == (2, 0) and lse.shape == (2, 0)
+
+
+# ---- documented limitation -------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_second_backward_of_in_forward_gradients_raises(flce, reduction):
+    """Mean/sum with gradients: computed in the forward and scaled in place by the backward,
+    so a second backward through the same graph (retain_graph=True) is refused."""
+    hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=3)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+def test_second_backward_of_recomputing_path_works(flce):
+    """Reduction "none" recomputes in the backward: two backwards accumulate twice the gradient."""
+    hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=4)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    loss.sum().backward(retain_graph=True)
+    once = hidden.grad.clone()
+    loss.sum().backward()
+    assert_rel(hidden.grad, 2 * once, 1e-6, "accumulated grad_hidden")
+    ref = reference(hidden, weight, targets, reduction="none", grad_output=torch.ones(N))
+    assert_rel(once, ref.grad_hidden, tolerance(torch.float32, "grad"), "grad_hidden")
+
+
+def test_target_check_is_skipped_under_torch_compile(flce, inputs):
+    """Compiled (the ops are opaque to the compiler), the range check would need a host sync and
+    is skipped: an out-of-range target gives NaN instead of an error; valid targets give the
+    reference loss and gradients."""
+    compiled = torch.compile(flce.fused_linear_cross_entropy, backend="aot_eager", fullgraph=True)
+    bad = _set_first(inputs["targets"], 10**6)
+    with pytest.raises(ValueError, match="targets"):
+        flce.fused_linear_cross_entropy(**_with(inputs, targets=bad))
+    assert torch.isnan(compiled(**_with(inputs, targets=bad)))
+
+    loss = compiled(**inputs)
+    loss.backward()
+    ref = reference(**inputs, grad_output=torch.tensor(1.0))
+    assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
+    assert_rel(inputs["weight"].grad, ref.grad_weight, tolerance(torch.float32, "grad"), "grad_weight")

@@ -1,0 +1,121 @@
+"""The Hub packaging: build/ matches the sources, metadata.json is what kernels expects, and
+the kernel loads as the model card says, as a variant folder and as the pip package."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import kernels
+import pytest
+import torch
+from conftest import DEVICE, ROOT, assert_rel, make_inputs, tolerance
+from reference import reference
+
+VARIANTS = {"cuda": ROOT / "build" / "torch-cuda", "cpu": ROOT / "build" / "torch-cpu"}
+
+
+def test_build_folder_matches_sources():
+    """build/ is generated from torch-ext/ by scripts/build_variants.py; --check exits 1 on drift."""
+    result = subprocess.run([sys.executable, "scripts/build_variants.py", "--check"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_build_check_detects_drift(tmp_path):
+    """--check is not vacuous: a build folder missing a file or holding a changed one fails it."""
+    build = tmp_path / "build"
+    subprocess.run([sys.executable, "scripts/build_variants.py", "--build-dir", str(build)], cwd=ROOT, check=True)
+    check = [sys.executable, "scripts/build_variants.py", "--check", "--build-dir", str(build)]
+    assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0
+    (build / "torch-cpu" / "interface.py").write_text("# edited\n")
+    result = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1 and "torch-cpu/interface.py" in result.stdout
+
+
+@pytest.mark.parametrize("backend", list(VARIANTS))
+def test_metadata(backend):
+    path = VARIANTS[backend] / "metadata.json"
+    data = json.loads(path.read_text())
+    assert data["name"] == "fused-linear-ce"
+    assert data["version"] == 1
+    assert data["license"] == "apache-2.0"
+    assert data["python-depends"] == []
+    assert data["backend"] == {"type": backend}
+    assert data["id"].startswith(f"_fused_linear_ce_{backend}_") and data["id"].isidentifier()
+    # kernels' own parser accepts it and reads the same fields.
+    meta = kernels.Metadata.read_from_file(str(path))
+    assert str(meta.name) == "fused-linear-ce" and meta.version == 1 and meta.license == "apache-2.0"
+    assert meta.id == data["id"] and list(meta.python_depends) == []
+    assert str(meta.backend.backend_type) == backend
+
+
+def test_variants_share_sources_and_differ_in_id():
+    ids = {json.loads((folder / "metadata.json").read_text())["id"] for folder in VARIANTS.values()}
+    assert len(ids) == 2
+    sources = sorted(p.name for p in (ROOT / "torch-ext" / "fused_linear_ce").glob("*.py"))
+    for folder in VARIANTS.values():
+        assert sorted(p.name for p in folder.glob("*.py")) == sources
+        for name in sources:
+            assert (folder / name).read_bytes() == (ROOT / "torch-ext" / "fused_linear_ce" / name).read_bytes()
+
+
+def _metadata_id(module) -> str:
+    return json.loads((Path(module.__file__).parent / "metadata.json").read_text())["id"]
+
+
+def test_card_line_loads_this_checkout(flce):
+    """The fixture is the card's ``get_kernel("qgallouedec/fused-linear-ce", version=1,
+    trust_remote_code=True)``: with LOCAL_KERNELS it is the variant of this checkout for this torch."""
+    expected = VARIANTS["cuda" if torch.version.cuda else "cpu"]
+    assert Path(flce.__file__).resolve().parent == expected.resolve()
+    assert flce.__name__ == _metadata_id(flce)
+    assert callable(flce.fused_linear_cross_entropy)
+
+
+def test_ops_are_named_by_the_metadata_id(flce):
+    """Ops live in torch.ops.<metadata id> (two loaded versions never clash), and the public
+    function goes through them."""
+    op_id = _metadata_id(flce)
+    namespace = getattr(torch.ops, op_id)
+    for op in ("forward", "backward", "scale_"):
+        assert hasattr(namespace, op), op
+    hidden, weight, targets, _ = make_inputs(5, 8, 11, torch.float32, seed=0)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
+    assert f"{op_id}_forward" in loss.grad_fn.name()
+
+
+def test_cuda_variant_loads_as_a_folder_on_any_torch(flce):
+    """``get_local_kernel`` on the variant folder (noarch: the CUDA variant imports on a CPU torch)."""
+    module = kernels.get_local_kernel(VARIANTS["cuda"])
+    assert module.__name__ == _metadata_id(module) and "_cuda_" in module.__name__
+    assert module.__all__ == flce.__all__
+    assert hasattr(torch.ops, module.__name__) and hasattr(getattr(torch.ops, module.__name__), "forward")
+    hidden, weight, targets, _ = make_inputs(5, 8, 11, torch.float32, seed=1, requires_grad=False)
+    loss = module.fused_linear_cross_entropy(hidden, weight, targets)
+    assert_rel(loss, reference(hidden, weight, targets).loss, tolerance(torch.float32, "loss"), "loss")
+
+
+def test_pip_package_exposes_the_same_api(flce):
+    """``import fused_linear_ce`` (pip, editable here): the same public names, ops in its own namespace."""
+    try:
+        import fused_linear_ce
+    except ImportError:  # not pip-installed (a bare GPU machine): the layout pyproject.toml maps
+        sys.path.insert(0, str(ROOT / "torch-ext"))
+        import fused_linear_ce
+
+    assert fused_linear_ce.__all__ == flce.__all__ == ["fused_linear_cross_entropy"]
+    assert hasattr(torch.ops.fused_linear_ce, "forward")
+    hidden, weight, targets, _ = make_inputs(5, 8, 11, torch.float32, seed=2, device=DEVICE, requires_grad=False)
+    loss = fused_linear_ce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+    assert_rel(loss, flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum"),
+               tolerance(torch.float32, "loss"), "pip vs hub")
+
+
+def test_pip_package_is_the_kernel_sources():
+    """pyproject.toml installs torch-ext/fused_linear_ce, the folder build/ is generated from."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["package-dir"] == {"fused_linear_ce": "torch-ext/fused_linear_ce"}
+    assert config["project"]["name"] == "fused-linear-ce"
