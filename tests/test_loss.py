@@ -171,12 +171,10 @@ def test_gradient_through_lse_only(flce, reduction):
     check_grads((hidden, weight, bias), ref, torch.float32)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: lse.sum().backward() hands the backward an expanded (stride 0) lse gradient, which "
-    "the Triton kernel reads as contiguous: out-of-bounds reads, garbage gradients"))
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gradient_of_lse_sum(flce, reduction):
-    """The plainest use of the returned lse: lse.sum() (or .mean()) in the objective."""
+    """The plainest use of the returned lse: lse.sum() (or .mean()) in the objective, whose
+    gradient autograd hands over as an expanded (stride 0) tensor."""
     hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=10)
     loss, lse = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction, return_lse=True)
     (loss.sum() + lse.sum()).backward()
@@ -280,11 +278,6 @@ def test_tma_and_pointer_paths_agree(flce, monkeypatch, dtype, tma):
     assert decisions and all(d == (tma == "1" and _tma_available()) for d in decisions), decisions
 
 
-STRIDE_BUG = ("product bug: the Triton kernels index {} as if contiguous (no stride argument), so a "
-              "strided 1-D {} gives a wrong loss; the torch backend is right")
-
-
-@pytest.mark.xfail(strict=True, reason=STRIDE_BUG.format("targets", "targets[::2]"))
 def test_strided_targets(flce):
     hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=19)
     every_other = torch.stack([targets, torch.zeros_like(targets)], dim=1).reshape(-1)[::2]
@@ -296,7 +289,6 @@ def test_strided_targets(flce):
     check_grads((hidden, weight, None), ref, torch.float32)
 
 
-@pytest.mark.xfail(strict=True, reason=STRIDE_BUG.format("bias", "bias[::2]"))
 def test_strided_bias(flce):
     hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=20, bias=True)
     every_other = torch.stack([bias.detach(), torch.zeros_like(bias)], dim=1).reshape(-1)[::2]
