@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # Correctness tests on the GPU launch one configuration: autotuning a new one for every
+    # (H, V) the tests draw would cost minutes. test_loss.py checks the autotuned launch once.
+    os.environ.setdefault("FLCE_AUTOTUNE", "0")
 # The card's own line resolves this checkout instead of the Hub, offline.
 os.environ["LOCAL_KERNELS"] = f"qgallouedec/fused-linear-ce={ROOT}"
 

@@ -461,3 +461,18 @@ def test_cpu_tensors_without_interpreter_use_the_torch_backend(flce, monkeypatch
     assert int(metrics["num_correct_tokens"]) == int(triton_metrics["num_correct_tokens"])
     for mine, theirs in zip((hidden, weight, bias), copies, strict=True):
         assert_rel(mine.grad, theirs.grad.cpu(), tolerance(torch.float32, "grad"), "grad vs triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on the GPU only")
+def test_autotuned_launch_matches_reference(flce, monkeypatch):
+    """The suite launches one fixed configuration on the GPU; this case goes through the
+    autotuner (every candidate configuration runs, the TMA descriptors get their blocks from
+    its pre-hook) and must give the same answers."""
+    monkeypatch.setenv("FLCE_AUTOTUNE", "1")
+    hidden, weight, targets, bias = make_inputs(300, 256, 1000, torch.bfloat16, seed=31, bias=True)
+    loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True)
+    loss.backward()
+    ref = reference(hidden, weight, targets, bias, grad_output=torch.tensor(1.0))
+    assert_rel(loss, ref.loss, tolerance(torch.bfloat16, "loss"), "loss")
+    check_metrics(metrics, ref, torch.bfloat16)
+    check_grads((hidden, weight, bias), ref, torch.bfloat16)

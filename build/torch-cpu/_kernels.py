@@ -130,7 +130,7 @@ def _tile_logits(
     return tl.where(col_mask[None, :], logits, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _logit_tile_kernel(
     # pointers (TMA descriptors for hidden, weight and out when USE_TMA)
     hidden_ptr,  # [n_rows, H]
@@ -253,7 +253,7 @@ def _logit_tile_kernel(
                 tl.store(out_ptrs, tile_out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _combine_tiles_kernel(
     # pointers
     tile_max_ptr,  # [n_rows, num_tiles] fp32
@@ -324,7 +324,7 @@ def _combine_tiles_kernel(
         tl.store(row_logit_sum_ptr + offs_r, tl.sum(logit_sum, axis=1), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _finalize_rows_kernel(
     # pointers
     row_max_ptr,  # [n_rows] fp32
@@ -381,7 +381,7 @@ def _finalize_rows_kernel(
         tl.store(entropy_ptr + offs_r, tl.where(valid, entropy, 0.0), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _grad_from_shifted_kernel(
     # pointers
     buffer_ptr,  # [n_rows, V] in: z - tile_max, out: grad logits (in place)
