@@ -55,7 +55,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
-    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "EVEN_K", "BLOCK_V",
+    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V",
 ]
 _autotuned = {}
 
@@ -174,16 +174,16 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
     block_v = tile_width(hidden.dtype)
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
     dummy = _dummy(hidden.device)
-    use_tma = _tma_ok(hidden, weight, *(() if out is None else (out,)))
-    if use_tma:  # block shapes are set per configuration, by the autotuner's pre-hook
-        hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16])
-        weight_arg = TensorDescriptor.from_tensor(weight, [16, 16])
-        out_arg = dummy if out is None else TensorDescriptor.from_tensor(out, [16, 16])
-        if fixed:
-            _set_descriptor_blocks({"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg,
-                                    "BLOCK_V": block_v, **fixed})
-    else:
-        hidden_arg, weight_arg, out_arg = hidden, weight, dummy if out is None else out
+    # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
+    # are aligned; block shapes are set per configuration, by the autotuner's pre-hook.
+    use_tma = _tma_ok(hidden, weight)
+    tma_store = use_tma and out is not None and _tma_ok(out)
+    hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16]) if use_tma else hidden
+    weight_arg = TensorDescriptor.from_tensor(weight, [16, 16]) if use_tma else weight
+    out_arg = dummy if out is None else (TensorDescriptor.from_tensor(out, [16, 16]) if tma_store else out)
+    if fixed:
+        _set_descriptor_blocks({"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg,
+                                "BLOCK_V": block_v, **fixed})
     tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum = tile_stats
     max_programs = _max_programs(hidden.device)
 
@@ -207,6 +207,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         HAS_LSE_GRAD=lse_grad is not None,
         RETURN_METRICS=opts.return_metrics,
         USE_TMA=use_tma,
+        TMA_STORE=tma_store,
         EVEN_K=hidden_size % 128 == 0,
         INPUT_PRECISION=_input_precision(hidden.dtype),
         BLOCK_V=block_v,

@@ -132,7 +132,7 @@ def _tile_logits(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _logit_tile_kernel(
-    # pointers (TMA descriptors for hidden, weight and out when USE_TMA)
+    # pointers (TMA descriptors for hidden and weight when USE_TMA, for out when TMA_STORE)
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
     bias_ptr,  # [V]                                   (HAS_BIAS)
@@ -172,6 +172,7 @@ def _logit_tile_kernel(
     HAS_LSE_GRAD: tl.constexpr,
     RETURN_METRICS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -245,7 +246,7 @@ def _logit_tile_kernel(
             tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
 
         if MODE != 0:
-            if USE_TMA:  # through shared memory by the copy engine, clipped at the edges
+            if TMA_STORE:  # through shared memory by the copy engine, clipped at the edges
                 out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile_out.to(out_ptr.dtype))
             else:
                 out_mask = row_mask[:, None] & col_mask[None, :]
