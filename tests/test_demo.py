@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import HAS_CUDA, ROOT
 
@@ -57,6 +58,8 @@ def test_demo_default_path():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 4),
+                    reason="triton 3.6's interpreter turns 1-element arrays into ints, which numpy >= 2.4 refuses")
 def test_demo_interpreter():
     """--interpret: the Triton kernels themselves, in the CPU interpreter."""
     stdout = run_demo("--steps", "2", "--batch", "4", "--seq", "32", interpret=True)

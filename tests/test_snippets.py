@@ -7,6 +7,8 @@ user's CPU run, without TRITON_INTERPRET). Without CUDA, ``torch.compile`` is gi
 the compiled results)."""
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -64,4 +66,7 @@ def test_snippet_runs(flce, monkeypatch, name, line, code):
         monkeypatch.setattr(torch, "compile", lambda *a, **k: compile_(*a, **{**k, "backend": "aot_eager"}))
     torch.manual_seed(0)
     torch._dynamo.reset()
-    exec(compile(code, f"{name}:{line}", "exec"), {"__name__": "__snippet__"})
+    # A real module, so that torch.compile (Inductor on a GPU) can find the snippet's globals.
+    module = types.ModuleType("__snippet__")
+    monkeypatch.setitem(sys.modules, "__snippet__", module)
+    exec(compile(code, f"{name}:{line}", "exec"), module.__dict__)

@@ -25,8 +25,11 @@ from ._options import LossOptions, RowResults
 
 
 def backend_for(device: torch.device):
-    """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``), else PyTorch."""
-    if device.type == "cuda" or (device.type == "cpu" and _triton_backend.interpreting()):
+    """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, when the kernels were
+    decorated for the interpreter, i.e. the variable was set at import), else PyTorch."""
+    if device.type == "cuda":
+        return _triton_backend
+    if device.type == "cpu" and _triton_backend.interpreting() and _triton_backend.KERNELS_INTERPRETED:
         return _triton_backend
     return _torch_backend
 
@@ -42,6 +45,10 @@ class ForwardResult:
     grad_bias: torch.Tensor | None  # [V]
 
 
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _chunks(n_rows: int, rows: int):
     for start in range(0, n_rows, rows):
         yield start, min(n_rows, start + rows)
@@ -53,10 +60,25 @@ def _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end):
     if grad_hidden is not None:
         torch.mm(grad_logits, weight, out=grad_hidden[start:end])
     if grad_weight is not None:
-        if start == 0:
+        if grad_weight.dtype != hidden.dtype:  # an fp32 accumulator: one rounding per chunk's part
+            grad_weight += torch.mm(grad_logits.t(), hidden[start:end])
+        elif start == 0:
             torch.mm(grad_logits.t(), hidden[start:end], out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+
+
+def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
+    """grad_weight [V, H], accumulated over the chunks in the inputs' dtype; in fp32 when that
+    costs no more than the chunk buffer itself or 64 MiB, so that 16-bit rounding of the running
+    sum does not build up over many chunks of a small head."""
+    element_size = hidden.element_size()
+    allowance = max(chunk * vocab_size * element_size, 64 * 2**20)
+    fp32 = n_chunks > 1 and element_size < 4 and vocab_size * hidden_size * 4 <= allowance
+    if fp32:
+        return torch.zeros((vocab_size, hidden_size), device=hidden.device, dtype=torch.float32)
+    new = torch.empty if n_chunks > 0 else torch.zeros  # the first chunk overwrites it
+    return new((vocab_size, hidden_size), device=hidden.device, dtype=hidden.dtype)
 
 
 def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch.Tensor) -> torch.Tensor:
@@ -90,8 +112,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
-    new_weight = torch.empty if training else torch.zeros  # the first chunk overwrites it
-    grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
+    n_chunks = triton_cdiv(n_rows, chunk) if training else 0
+    grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
 
@@ -127,7 +149,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         entropy_sum = torch.zeros((), **f32)
     return ForwardResult(
         loss=loss, lse=rows.lse, num_correct=num_correct, entropy_sum=entropy_sum,
-        grad_hidden=grad_hidden, grad_weight=grad_weight,
+        grad_hidden=grad_hidden, grad_weight=None if grad_weight is None else grad_weight.to(hidden.dtype),
         grad_bias=bias_grad_acc.to(bias.dtype) if want_b else None,
     )
 
@@ -142,13 +164,13 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     backend = backend_for(device)
     want_h, want_w, want_b = grads
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
-    new_weight = torch.empty if n_rows > 0 else torch.zeros  # the first chunk overwrites it
-    grad_weight = new_weight((vocab_size, hidden_size), device=device, dtype=hidden.dtype) if want_w else None
+    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype, True)
+    n_chunks = triton_cdiv(n_rows, chunk)
+    grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
-        chunk = backend.chunk_rows(n_rows, vocab_size, hidden.dtype, True)
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
         for start, end in _chunks(n_rows, chunk):
             hidden_c = hidden[start:end]
@@ -160,4 +182,6 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
             _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
         if shard is not None and grad_hidden is not None:
             shard.all_reduce_(grad_hidden)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(hidden.dtype)
     return grad_hidden, grad_weight, None if bias_grad_acc is None else bias_grad_acc.to(bias.dtype)

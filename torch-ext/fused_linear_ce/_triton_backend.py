@@ -8,6 +8,7 @@ import os
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _kernels as K
@@ -17,6 +18,10 @@ from ._options import LossOptions, RowResults, RowStats, env_int
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Triton decides at decoration time whether a kernel is interpreted.
+KERNELS_INTERPRETED = isinstance(K._logit_tile_kernel, InterpretedFunction)
 
 
 # ---- configurations ---------------------------------------------------------------------
