@@ -177,8 +177,8 @@ def fuzz_case(flce, rng):
             "failures": failures}
 
 
-def fuzz(flce, cases, seconds):
-    rng = random.Random(1234)
+def fuzz(flce, cases, seconds, seed=1234):
+    rng = random.Random(seed)
     t0 = time.time()
     done, failed = 0, []
     while done < cases and time.time() - t0 < seconds:
@@ -190,6 +190,25 @@ def fuzz(flce, cases, seconds):
     summary = {"cases": done, "failed": len(failed), "seconds": time.time() - t0, "failures": failed[:20]}
     print("fuzz:", json.dumps({k: summary[k] for k in ("cases", "failed", "seconds")}), flush=True)
     return summary
+
+
+def parallel_fuzz(args):
+    """The fuzz in several processes with their own seeds; the summaries added up."""
+    parts = [Path(args.out).with_name(f"fuzz_{k}.json") for k in range(args.fuzz_workers)]
+    share = -(-args.fuzz_cases // args.fuzz_workers)
+    procs = [subprocess.Popen([sys.executable, __file__, "--fuzz-only", "--seed", str(1000 + k), "--fuzz-cases",
+                               str(share), "--fuzz-seconds", str(args.fuzz_seconds), "--out", str(part)])
+             for k, part in enumerate(parts)]
+    for proc in procs:
+        proc.wait()
+    summaries = [json.loads(p.read_text()) for p in parts if p.exists()]
+    total = {"cases": sum(s["cases"] for s in summaries), "failed": sum(s["failed"] for s in summaries),
+             "seconds": max((s["seconds"] for s in summaries), default=0.0), "workers": len(summaries),
+             "failures": [f for s in summaries for f in s["failures"]][:20]}
+    for p in parts:
+        p.unlink(missing_ok=True)
+    print("fuzz:", json.dumps({k: total[k] for k in ("cases", "failed", "seconds", "workers")}), flush=True)
+    return total
 
 
 # ---- determinism and leaks ----------------------------------------------------------------
@@ -233,11 +252,16 @@ def main():
     parser.add_argument("--fuzz-seconds", type=float, default=240)
     parser.add_argument("--digest-only", action="store_true", help="print a digest of one step (subprocess check)")
     parser.add_argument("--fuzz-only", action="store_true")
+    parser.add_argument("--fuzz-workers", type=int, default=4,
+                        help="processes sharing the cases (they compile in parallel)")
+    parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-    flce = load()
     if args.fuzz_only:
-        fuzz(flce, args.fuzz_cases, args.fuzz_seconds)
+        os.environ["FLCE_AUTOTUNE"] = "0"
+        summary = fuzz(load(), args.fuzz_cases, args.fuzz_seconds, args.seed)
+        Path(args.out).write_text(json.dumps(summary, default=str))
         return
+    flce = load()
     if args.digest_only:
         print(next(iter(step_digest(flce, 1))))
         return
@@ -246,7 +270,7 @@ def main():
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "command": " ".join(sys.argv)}
     record["huge_shapes"] = huge_shapes(flce)
-    record["fuzz"] = fuzz(flce, args.fuzz_cases, args.fuzz_seconds)
+    record["fuzz"] = parallel_fuzz(args)
     os.environ.pop("FLCE_AUTOTUNE")
     in_process = step_digest(flce, 20)
     other = subprocess.run([sys.executable, __file__, "--digest-only"], capture_output=True, text=True)
