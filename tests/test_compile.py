@@ -100,6 +100,8 @@ def test_compiled_model_with_fused_loss_matches_eager(flce, monkeypatch, path):
     ref.loss.backward()
     assert out.logits is None
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    assert_grads_close(model, grads(eager), rel=1e-6)
+    # aot_eager replays the same fp32 ops; Inductor fuses and reorders the backbone's fp32
+    # reductions, a few ulps that a couple of layers amplify to ~1e-6 relative
+    assert_grads_close(model, grads(eager), rel=1e-6 if BACKEND == "aot_eager" else 2e-5)
     for key, value in ref.metrics.items():
         torch.testing.assert_close(out.metrics[key], value, rtol=1e-6, atol=0)

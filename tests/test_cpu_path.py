@@ -45,10 +45,11 @@ def test_cpu_training_loop_matches_interpreter_and_model_loss(flce, monkeypatch)
             assert int(metrics["num_valid_tokens"]) == ref_metrics["num_valid_tokens"]
             assert float(metrics["entropy_sum"]) == pytest.approx(ref_metrics["entropy_sum"], rel=1e-5)
         # the two fused paths agree more tightly with each other than with the logits
-        torch.testing.assert_close(step["torch"][0], step["interpreter"][0], rtol=2e-6, atol=0)
+        if "interpreter" in step:
+            torch.testing.assert_close(step["torch"][0], step["interpreter"][0], rtol=2e-6, atol=0)
 
     own = dict(runs["own loss"][1].named_parameters())
     assert any(not torch.equal(p, dict(base.named_parameters())[n]) for n, p in own.items())  # it trained
-    for name in ("interpreter", "torch"):
+    for name in [n for n in ("interpreter", "torch") if n in runs]:
         for param_name, p in runs[name][1].named_parameters():
             torch.testing.assert_close(p, own[param_name], rtol=1e-5, atol=1e-6)

@@ -70,8 +70,8 @@ def _worker(rank, world, port, error_file):
             dist.destroy_process_group()
 
 
-def _check_case(flce, rank, world, case):
-    """One case on this rank, against the float64 reference on the full weight."""
+def _check_case(flce, rank, world, case, device="cpu"):
+    """One case on this rank, against the float64 reference on the full weight (on the CPU)."""
     torch.manual_seed(0)  # the same inputs on every rank
     n, hidden_size, vocab = 23, 24, 67  # 67 does not split evenly over 2 or 3 ranks
     hidden = torch.randn(n, hidden_size)
@@ -81,6 +81,8 @@ def _check_case(flce, rank, world, case):
     targets[::4] = -100
     # ties across the shard boundary: two rows of weight equal, in different slices
     weight[vocab // world + 1] = weight[1]
+    if device != "cpu":
+        return _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device)
 
     sizes = [len(part) for part in torch.arange(vocab).tensor_split(world)]
     start = sum(sizes[:rank])
@@ -113,6 +115,30 @@ def _check_case(flce, rank, world, case):
                         metrics["entropy_sum"].double()])
     dist.all_gather(gathered, mine)
     assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device):
+    """The same check with the inputs on ``device`` (NCCL): fp32 there follows torch's float32
+    matmul precision, so the tolerance is that of 3xTF32 products, not of IEEE fp32."""
+    sizes = [len(part) for part in torch.arange(weight.shape[0]).tensor_split(world)]
+    start = sum(sizes[:rank])
+    w_local = weight[start:start + sizes[rank]].to(device).requires_grad_()
+    b_local = bias[start:start + sizes[rank]].to(device).requires_grad_() if bias is not None else None
+    h = hidden.to(device).requires_grad_()
+    out = flce.fused_linear_cross_entropy(h, w_local, targets.to(device), b_local, process_group=dist.group.WORLD,
+                                          **case)
+    loss, metrics, lse = out if case.get("return_lse") else (*out, None)
+    grad_out = torch.linspace(0.5, 1.5, len(targets)) if case["reduction"] == "none" else torch.tensor(0.7)
+    total = (loss * grad_out.to(device)).sum() + (lse.sum() * 0.3 if lse is not None else 0)
+    total.backward()
+    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
+    ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
+    ref_total.backward()
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **tol)
+    assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
+    torch.testing.assert_close(h.grad.double().cpu(), rh.grad, **tol)
+    torch.testing.assert_close(w_local.grad.double().cpu(), rw.grad[start:start + sizes[rank]], **tol)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors; GPUs run scripts/gpu-distributed")
