@@ -316,3 +316,55 @@ def test_two_calls_are_bitwise_equal(flce, monkeypatch, dtype, reduction):
                         *(t.detach() for t in lse)))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+NON_FINITE = {  # where the bad value goes -> the rows whose loss PyTorch makes NaN
+    "nan_in_hidden_row": "hidden",
+    "inf_in_hidden_row": "hidden_inf",
+    "nan_in_weight_row": "weight",
+    "inf_in_bias": "bias",
+}
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_inputs_give_nan_where_pytorch_does(flce, case):
+    """NaN/inf in hidden, weight or bias: the per-row loss is NaN exactly where PyTorch's
+    logits-based loss is, the other rows keep their values, and the rows of grad_hidden that
+    PyTorch keeps finite are finite and equal; an ignored bad row costs nothing."""
+    gen = _gen(41)
+    n, h, v = 12, 24, 70
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) / h**0.5
+    bias = torch.randn(v, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[7] = -100
+    where = NON_FINITE[case]
+    if where == "hidden":
+        hidden[3, 5] = float("nan")
+        hidden[7, 0] = float("nan")  # an ignored row: loss 0, no gradient anywhere from it
+    elif where == "hidden_inf":
+        hidden[4, 2] = float("inf")
+    elif where == "weight":
+        weight[9, 1] = float("nan")
+    else:
+        bias[11] = float("inf")
+    hidden, weight, bias = _to((DEVICE, torch.float32), hidden, weight, bias)
+    targets = targets.to(DEVICE)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none")
+    loss.backward(torch.ones_like(loss))
+
+    h64, w64, b64 = (t.detach().double().cpu().requires_grad_() for t in (hidden, weight, bias))
+    ref = torch.nn.functional.cross_entropy(h64 @ w64.T + b64, targets.cpu(), reduction="none")
+    ref.backward(torch.ones_like(ref))
+    got = loss.detach().double().cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), (got, ref)
+    finite = ~torch.isnan(ref)
+    torch.testing.assert_close(got[finite], ref.detach()[finite], rtol=1e-5, atol=1e-5)
+    # Ignored rows get exactly zero gradient here, even next to non-finite logits (PyTorch's
+    # log_softmax backward gives them 0 * NaN = NaN); the other rows follow PyTorch.
+    ignored = (targets == -100).cpu()
+    if where != "weight":  # (0 @ a NaN weight is NaN: that is the matrix product, not the loss)
+        assert torch.equal(hidden.grad.cpu()[ignored], torch.zeros_like(hidden.grad.cpu()[ignored]))
+    rows_ok = torch.isfinite(h64.grad).all(dim=1) & ~ignored
+    assert torch.equal(torch.isfinite(hidden.grad.cpu()).all(dim=1) & ~ignored, rows_ok)
+    torch.testing.assert_close(hidden.grad.double().cpu()[rows_ok], h64.grad[rows_ok], rtol=1e-4, atol=1e-6)
