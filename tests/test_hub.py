@@ -125,3 +125,12 @@ def test_pip_package_is_the_kernel_sources():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert config["tool"]["setuptools"]["package-dir"] == {"fused_linear_ce": "torch-ext/fused_linear_ce"}
     assert config["project"]["name"] == "fused-linear-ce"
+
+
+def test_benchmark_tables_are_generated_from_the_recorded_results():
+    """BENCHMARKS.md and README's performance section are what benchmarks/report.py makes of
+    benchmarks/results/*.json: no number typed by hand, none left stale."""
+    pytest.importorskip("matplotlib")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
