@@ -478,3 +478,26 @@ def test_autotuned_launch_matches_reference(flce, monkeypatch):
     assert_rel(loss, ref.loss, tolerance(torch.bfloat16, "loss"), "loss")
     check_metrics(metrics, ref, torch.bfloat16)
     check_grads((hidden, weight, bias), ref, torch.bfloat16)
+
+
+def test_autocast_inputs_take_the_autocast_dtype(flce):
+    """Under torch.autocast the kernel computes in the autocast dtype, as F.linear would: fp32
+    leaves are cast (differentiably), so their gradients come back in fp32. The reference is
+    the float64 loss of the inputs rounded to that dtype. (fp16 on the CPU: the interpreter's
+    bf16 products are wrong; bf16 on the GPU.)"""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=51, bias=True, ignore=0.2)
+    with torch.autocast(DEVICE, dtype=dtype):
+        loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True)
+    loss.backward()
+    assert loss.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == torch.float32
+    rounded = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    ref = reference(*rounded[:2], targets, rounded[2], grad_output=torch.tensor(1.0))
+    assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
+    check_metrics(metrics, ref, dtype)
+    # the gradients pass back through the casts: the 16-bit ones, in fp32
+    for t, expected in ((hidden, ref.grad_hidden), (weight, ref.grad_weight), (bias, ref.grad_bias)):
+        assert_rel(t.grad, expected, tolerance(dtype, "grad"), "grad")
+    # outside autocast, mixed dtypes are refused
+    with pytest.raises(TypeError, match="weight"):
+        flce.fused_linear_cross_entropy(hidden.detach().to(dtype), weight.detach(), targets)
