@@ -61,6 +61,9 @@ def _worker(rank, world, port, error_file):
             # The backend is chosen per call: one case through the Triton kernels.
             os.environ["TRITON_INTERPRET"] = "1" if case_index == 0 else "0"
             _check_case(flce, rank, world, dict(CASES[case_index]))
+        os.environ["TRITON_INTERPRET"] = "0"
+        _check_metrics_bit_identity(flce, rank, world)
+        _check_data_parallel(flce, rank, world)
     except BaseException:
         with open(error_file, "a") as f:
             f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
@@ -68,6 +71,57 @@ def _worker(rank, world, port, error_file):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_metrics_bit_identity(flce, rank, world):
+    """Vocabulary-parallel: return_metrics=True leaves loss and gradients bitwise unchanged."""
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(19, 16), torch.randn(41, 16)
+    targets = torch.randint(0, 41, (19,))
+    sizes = [len(part) for part in torch.arange(41).tensor_split(world)]
+    start = sum(sizes[:rank])
+    results = []
+    for return_metrics in (False, True):
+        h = hidden.clone().requires_grad_()
+        w = weight[start:start + sizes[rank]].clone().requires_grad_()
+        out = flce.fused_linear_cross_entropy(h, w, targets, process_group=dist.group.WORLD,
+                                              return_metrics=return_metrics, label_smoothing=0.05)
+        loss = out[0] if return_metrics else out
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def _check_data_parallel(flce, rank, world):
+    """Data parallelism: each rank takes its rows; reduction="sum" divided by the global count
+    of valid targets, gradients all-reduced, gives the single-process mean loss's gradient, and
+    the metrics recipe (all-reduce the sums and counts, then divide) its means."""
+    torch.manual_seed(2)
+    n = 29
+    hidden, weight = torch.randn(n, 16), torch.randn(37, 16) * 0.5
+    targets = torch.randint(0, 37, (n,))
+    targets[::3] = -100
+    rows = torch.arange(n).tensor_split(world)[rank]
+    num_items = (targets != -100).sum()  # known on every rank (transformers' num_items_in_batch)
+    h = hidden[rows].clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    loss, metrics = flce.fused_linear_cross_entropy(h, w, targets[rows], reduction="sum", return_metrics=True)
+    (loss / num_items).backward()
+    grad_w = w.grad.clone()
+    dist.all_reduce(grad_w)
+    sums = torch.stack([metrics["num_correct_tokens"].double(), metrics["entropy_sum"].double(),
+                        (targets[rows] != -100).sum().double()])
+    dist.all_reduce(sums)
+    whole = weight.clone().requires_grad_()
+    hh = hidden.clone().requires_grad_()
+    ref_loss, ref_metrics = flce.fused_linear_cross_entropy(hh, whole, targets, return_metrics=True)
+    ref_loss.backward()
+    # sums of fp32 partial products in another grouping: equal to fp32 rounding
+    torch.testing.assert_close(grad_w, whole.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(h.grad, hh.grad[rows], rtol=1e-5, atol=1e-7)
+    assert int(sums[0]) == int(ref_metrics["num_correct_tokens"]) and int(sums[2]) == int(num_items)
+    torch.testing.assert_close(sums[1] / sums[2], ref_metrics["entropy_sum"].double() / num_items, rtol=1e-5, atol=0)
 
 
 def _check_case(flce, rank, world, case, device="cpu"):
