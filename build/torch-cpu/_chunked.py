@@ -45,7 +45,7 @@ class ForwardResult:
     grad_bias: torch.Tensor | None  # [V]
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -112,7 +112,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
-    n_chunks = triton_cdiv(n_rows, chunk) if training else 0
+    n_chunks = _cdiv(n_rows, chunk) if training else 0
     grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
@@ -165,7 +165,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     want_h, want_w, want_b = grads
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
     chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype, True)
-    n_chunks = triton_cdiv(n_rows, chunk)
+    n_chunks = _cdiv(n_rows, chunk)
     grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
     if shard is not None:
