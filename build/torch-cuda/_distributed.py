@@ -41,7 +41,6 @@ class Shard:
 
     def merge(self, stats: RowStats) -> RowStats:
         """The statistics of the whole vocabulary from every rank's (two all-reduces)."""
-        n_rows = stats.row_max.shape[0]
         argmax = stats.argmax if stats.argmax is not None else torch.zeros_like(stats.row_max, dtype=torch.int64)
         key = _order_key(stats.row_max, argmax + self.vocab_start)
         dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
@@ -61,7 +60,6 @@ class Shard:
         ], dim=1)  # [rows, 5]
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
         target_logit = torch.where(packed[:, 4] > 0, packed[:, 2], torch.full_like(row_max, float("nan")))
-        assert packed.shape == (n_rows, 5)
         return RowStats(
             row_max=row_max,
             sum_exp=packed[:, 0].contiguous(),
