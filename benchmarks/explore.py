@@ -48,11 +48,40 @@ def back_to_back_ms(step, n=10):
     return start.elapsed_time(end) / n
 
 
+def kernel_breakdown(step, steps: int = 3) -> dict:
+    """Where a step's GPU time goes: per kernel (grouped by name) the milliseconds a step, the
+    union of kernel intervals (busy) and the span from the first kernel's start to the last's end."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)
+    per_name: dict[str, float] = {}
+    busy, reach = 0.0, float("-inf")
+    for start, end, name in kernels:
+        per_name[name[:60]] = per_name.get(name[:60], 0.0) + (end - start) / 1e3 / steps
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 / steps if kernels else 0.0
+    top = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:10])
+    return {"span_ms": span, "busy_ms": busy / 1e3 / steps, "kernel_ms": top,
+            "kernels_per_step": len(kernels) / steps}
+
+
 def time_logit_kernel(flce, hidden, weight, targets, config):
     """TFLOP/s of the logit kernel alone on one chunk, statistics only and with the buffer."""
     backend = sys.modules[flce.__name__ + "._triton_backend"]
     options = sys.modules[flce.__name__ + "._options"].LossOptions()
-    rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype)
+    rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True)
     h, t = hidden[:rows], targets[:rows]
     buffer = backend.new_buffer(rows, weight.shape[0], hidden.dtype, hidden.device)
     os.environ["FLCE_CONFIG"] = config
@@ -75,6 +104,7 @@ def main():
     parser.add_argument("--variants", default="BLOCK_V=256,TMA=1;BLOCK_V=256,TMA=0;BLOCK_V=128,TMA=1")
     parser.add_argument("--rep-ms", type=float, default=300)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="per-kernel ms of a step, busy and span")
     parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
     parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
     parser.add_argument("--out", default=None)
@@ -100,6 +130,8 @@ def main():
                        "fwd_tflops": flops / fwd_ms / 1e9, "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
                        "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
                        "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}
+                if args.breakdown:
+                    rec["breakdown"] = kernel_breakdown(step)
                 if args.trace and args.out and variant == args.variants.split(";")[0]:
                     from torch.profiler import ProfilerActivity, profile
 
@@ -123,6 +155,8 @@ def main():
                 os.environ.pop(f"FLCE_{k}")
             print(json.dumps(rec), flush=True)
             records.append(rec)
+            if args.out:
+                Path(args.out).write_text(json.dumps(records, indent=1))
         for config in filter(None, args.configs.split(";")):
             rec = {"row": row, "config": config, **time_logit_kernel(flce, hidden, weight, targets, config)}
             print(json.dumps(rec), flush=True)

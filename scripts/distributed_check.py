@@ -1,4 +1,7 @@
-"""The vocabulary-parallel checks of tests/test_distributed.py over NCCL, one process a GPU.
+"""The vocabulary-parallel checks of tests/test_distributed.py over NCCL, one process a GPU,
+then the throughput of issue 5 item 6 on the Llama-3 head (bf16, N = 8192, LM-like inputs):
+one rank's sharded training step against the unsharded step on one GPU divided by P, plus
+the same all-reduces timed alone.
 
     torchrun --nproc-per-node <GPUs> scripts/distributed_check.py --out distributed.json
 """
@@ -16,7 +19,76 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("LOCAL_KERNELS", f"qgallouedec/fused-linear-ce={ROOT}")
+
+
+def _event_median_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median of per-call CUDA-event times; a fixed count, so that every rank calls the
+    collectives inside ``fn`` equally often (do_bench picks its count per process)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def throughput(flce, rank: int, world: int) -> dict:
+    """Issue 5 item 6: one rank's sharded step <= unsharded step / P + the all-reduces."""
+    from bench import make_inputs
+
+    hidden_size, vocab, n_tokens = 4096, 128256, 8192
+    hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab, torch.bfloat16, "lm")
+    sizes = [len(part) for part in torch.arange(vocab).tensor_split(world)]
+    start = sum(sizes[:rank])
+    h = hidden.clone().requires_grad_()
+    w_full = weight.clone().requires_grad_()
+    w_local = weight[start:start + sizes[rank]].clone().requires_grad_()
+
+    def full_step():
+        h.grad = w_full.grad = None
+        flce.fused_linear_cross_entropy(h, w_full, targets).backward()
+
+    def sharded_step():
+        h.grad = w_local.grad = None
+        flce.fused_linear_cross_entropy(h, w_local, targets, process_group=dist.group.WORLD).backward()
+
+    # The all-reduces of one sharded step, alone: per chunk of rows an int64 MAX [rows] and an
+    # fp32 SUM [rows, 5]; then grad_hidden [N, H] in the inputs' dtype.
+    backend = sys.modules[flce.__name__ + "._triton_backend"]
+    chunk = backend.chunk_rows(n_tokens, sizes[rank], hidden.dtype, True)
+    chunk_rows = [min(chunk, n_tokens - s) for s in range(0, n_tokens, chunk)]
+    keys = [torch.zeros(r, dtype=torch.int64, device="cuda") for r in chunk_rows]
+    packed = [torch.zeros(r, 5, dtype=torch.float32, device="cuda") for r in chunk_rows]
+    grad_hidden = torch.zeros_like(hidden)
+
+    def all_reduces():
+        for k, p in zip(keys, packed, strict=True):
+            dist.all_reduce(k, op=dist.ReduceOp.MAX)
+            dist.all_reduce(p)
+        dist.all_reduce(grad_hidden)
+
+    full_ms = _event_median_ms(full_step)
+    sharded_ms = _event_median_ms(sharded_step)
+    comm_ms = _event_median_ms(all_reduces)
+    mine = torch.tensor([full_ms, sharded_ms, comm_ms], dtype=torch.float64, device="cuda")
+    slowest = mine.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    full_ms, sharded_ms, comm_ms = slowest.tolist()
+    return {"head": [hidden_size, vocab], "n_tokens": n_tokens, "dtype": "bfloat16", "inputs": "lm",
+            "chunks": len(chunk_rows), "all_reduces_per_step": 2 * len(chunk_rows) + 1,
+            "unsharded_step_ms": full_ms, "sharded_step_ms": sharded_ms, "all_reduces_ms": comm_ms,
+            "bound_ms": full_ms / world + comm_ms, "ratio_to_bound": sharded_ms / (full_ms / world + comm_ms),
+            "ok": sharded_ms <= full_ms / world + comm_ms, "timing": "medians of 20 CUDA-event timings, "
+            "slowest rank"}
 
 
 def main() -> None:
@@ -28,7 +100,7 @@ def main() -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     from kernels import get_kernel
-    from test_distributed import CASES, _check_case
+    from test_distributed import CASES, _check_case, _check_data_parallel, _check_metrics_bit_identity
 
     flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
     results = []
@@ -38,15 +110,22 @@ def main() -> None:
             results.append({"case": case, "ok": True})
         except Exception:
             results.append({"case": case, "ok": False, "error": traceback.format_exc()[-800:]})
+    for check in (_check_metrics_bit_identity, _check_data_parallel):
+        try:
+            check(flce, rank, world, device=f"cuda:{local_rank}")
+            results.append({"case": check.__name__, "ok": True})
+        except Exception:
+            results.append({"case": check.__name__, "ok": False, "error": traceback.format_exc()[-800:]})
+    timing = throughput(flce, rank, world)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
         record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "gpus": world, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                  "backend": "nccl", "ranks": gathered,
+                  "backend": "nccl", "ranks": gathered, "throughput": timing,
                   "ok": all(r["ok"] for ranks in gathered for r in ranks)}
         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
-        print(json.dumps({"gpus": world, "ok": record["ok"]}))
+        print(json.dumps({"gpus": world, "ok": record["ok"], "throughput": timing}))
     dist.destroy_process_group()
 
 
