@@ -66,15 +66,18 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("cat") == "kernel" and "dur" in e)
     per_name: dict[str, float] = {}
-    busy, reach = 0.0, float("-inf")
+    busy, reach, gaps, before = 0.0, float("-inf"), [], ""
     for start, end, name in kernels:
         per_name[name[:60]] = per_name.get(name[:60], 0.0) + (end - start) / 1e3 / steps
         busy += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
+        if start > reach > float("-inf"):
+            gaps.append(((start - reach) / 1e3, before[:40], name[:40]))
+        reach, before = max(reach, end), name
     span = (kernels[-1][1] - kernels[0][0]) / 1e3 / steps if kernels else 0.0
     top = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:10])
     return {"span_ms": span, "busy_ms": busy / 1e3 / steps, "kernel_ms": top,
-            "kernels_per_step": len(kernels) / steps}
+            "kernels_per_step": len(kernels) / steps,
+            "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
 def time_logit_kernel(flce, hidden, weight, targets, config):

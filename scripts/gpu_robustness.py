@@ -234,6 +234,7 @@ def leaks(flce, steps):
     weight = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 3000, (512,), device="cuda")
     torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
     initial = torch.cuda.memory_allocated()
     # the same call as the loop's first: compilation and autotuning (a shape not seen before
     # in this process) run here, and must not keep buffers alive
@@ -248,7 +249,22 @@ def leaks(flce, steps):
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
     return {"steps": steps, "allocated_initial": initial, "allocated_after_first_call": before,
-            "allocated_after": after, "ok": initial == before == after}
+            "allocated_after": after, "ok": initial == before == after, "live_blocks": live_blocks()}
+
+
+def live_blocks(limit: int = 12) -> list:
+    """The live allocations recorded since _record_memory_history started, with the Python
+    frames that made them: names what a first call or a loop kept."""
+    snapshot = torch.cuda.memory._snapshot()
+    blocks = []
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in block.get("frames", [])
+                      if f["filename"].endswith(".py")][:6]
+            blocks.append({"bytes": block["size"], "frames": frames})
+    return sorted(blocks, key=lambda b: b["bytes"])[:limit]
 
 
 def main():

@@ -91,18 +91,19 @@ def tile_width(dtype: torch.dtype) -> int:
     return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool) -> int:
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows; the forward alone keeps
     only per-tile statistics and takes up to 4096 rows. The rows are then spread evenly
-    over the chunks (in multiples of 128), so that no small last chunk runs at a loss."""
+    over the chunks (in multiples of 128), so that no small last chunk runs at a loss.
+    A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
         by_budget = max(128, budget // (vocab_size * element_size) // 128 * 128)
-        most = min(env_int("FLCE_CHUNK_ROWS", 1536), by_budget)
+        most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget)
     else:
-        most = env_int("FLCE_CHUNK_ROWS", 4096)
+        most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
     if n_rows <= most:
         return max(1, n_rows)
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
@@ -304,7 +305,8 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     block_v = tile_width(buffer.dtype)
     # Without a bias, programs also split the rows (more of them in flight: this pass is
     # bound by memory bandwidth); with one, a program walks all rows of its columns.
-    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
+    split_rows = 32 if interpreting() else env_int("FLCE_GRAD_ROWS", 128)
+    rows_per_program = n_rows if bias_grad_acc is not None else split_rows
     grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
     K._grad_from_shifted_kernel[grid](
         buffer, state, lse, loss_grad, targets,
@@ -312,9 +314,9 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
         n_rows, rows_per_program, vocab_size, buffer.stride(0),
         **_scalars(opts, vocab_size),
         **_flags(opts, bias_grad_acc),
-        BLOCK_N=16 if interpreting() else 32,
+        BLOCK_N=16 if interpreting() else env_int("FLCE_GRAD_BLOCK_N", 32),
         BLOCK_V=block_v,
-        num_warps=8,
+        num_warps=env_int("FLCE_GRAD_WARPS", 8),
     )
     return buffer
 

@@ -10,10 +10,11 @@ import torch
 from ._options import LossOptions, RowResults, RowStats, env_int
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool) -> int:
-    """Rows per chunk: the fp32 logits of a chunk, rows x V, stay under a fixed size."""
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1) -> int:
+    """Rows per chunk: the fp32 logits of a chunk, rows x V, stay under a fixed size
+    (a vocabulary slice of one of ``shards`` ranks: ``shards`` times the rows)."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
-    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096), budget // (4 * vocab_size)))
+    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // (4 * vocab_size)))
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,14 @@ def _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end):
             grad_weight.addmm_(grad_logits.t(), hidden[start:end])
 
 
+def _plan_chunk(backend, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
+                shard: Shard | None) -> int:
+    """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed)."""
+    if shard is None:
+        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training)
+    return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size)
+
+
 def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
     """grad_weight [V, H], accumulated over the chunks in the inputs' dtype; in fp32 when that
     costs no more than the chunk buffer itself or 64 MiB, so that 16-bit rounding of the running
@@ -108,7 +116,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     )
     want_h, want_w, want_b = grads
     training = any(grads) and n_rows > 0
-    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype, training)
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
@@ -116,6 +124,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
+    pending = []  # grad_hidden all-reduces in flight (vocabulary parallelism)
 
     for start, end in _chunks(n_rows, chunk):
         hidden_c, targets_c, slice_targets_c = hidden[start:end], targets[start:end], slice_targets[start:end]
@@ -133,8 +142,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                 shifted, state, slice_targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
             )
             _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
-    if shard is not None and grad_hidden is not None and training:
-        shard.all_reduce_(grad_hidden)
+            if shard is not None and grad_hidden is not None:
+                pending.append(shard.start_all_reduce(grad_hidden[start:end]))
+    for work in pending:
+        work.wait()
 
     if reduction == "none":
         loss = rows.loss
@@ -164,7 +175,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     backend = backend_for(device)
     want_h, want_w, want_b = grads
     grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
-    chunk = backend.chunk_rows(max(n_rows, 1), vocab_size, hidden.dtype, True)
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, True, shard)
     n_chunks = _cdiv(n_rows, chunk)
     grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
     bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
@@ -172,6 +183,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
+        pending = []
         for start, end in _chunks(n_rows, chunk):
             hidden_c = hidden[start:end]
             grad_logits = backend.grad_logits(
@@ -180,8 +192,10 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
                 buffer[: end - start], bias_grad_acc,
             )
             _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
-        if shard is not None and grad_hidden is not None:
-            shard.all_reduce_(grad_hidden)
+            if shard is not None and grad_hidden is not None:
+                pending.append(shard.start_all_reduce(grad_hidden[start:end]))
+        for work in pending:
+            work.wait()
     if grad_weight is not None:
         grad_weight = grad_weight.to(hidden.dtype)
     return grad_hidden, grad_weight, None if bias_grad_acc is None else bias_grad_acc.to(bias.dtype)

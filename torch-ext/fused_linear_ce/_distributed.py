@@ -14,8 +14,13 @@ rank then holds the statistics of the whole vocabulary, hence the same loss and 
        global max, the target logit (from the rank that holds it), the logit sum, and a
        count of ranks that held the target.
 
-The gradient path then needs one more all-reduce: grad_hidden [N, H], the sum of every
-rank's ``G_local @ W_local``.
+The gradient path also sums grad_hidden [N, H], every rank's ``G_local @ W_local``: one
+asynchronous all-reduce per chunk of rows, started as soon as the chunk's product is queued,
+so that it runs under the next chunk's work.
+
+Every rank plans its chunks as if it held ceil(V / P) vocabulary rows, with P times the rows
+of an unsharded chunk: the same chunks on every rank (the all-reduces pair up), and a buffer
+of about the bytes of an unsharded one.
 """
 
 from dataclasses import dataclass
@@ -69,9 +74,20 @@ class Shard:
             logit_sum=packed[:, 3].contiguous() if stats.logit_sum is not None else None,
         )
 
-    def all_reduce_(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place."""
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def planning_vocab_size(self) -> int:
+        """The slice size that every rank plans its chunks of rows with: the same on every rank,
+        so that all ranks take part in the same per-chunk all-reduces."""
+        return -(-self.total_vocab_size // self.world_size)
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> dist.Work:
+        """Sum ``tensor`` over the ranks, in place, asynchronously: wait on the returned work
+        before reading it. Over NCCL it runs beside the next chunk's kernels."""
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
 
 _LOW = 2**32
