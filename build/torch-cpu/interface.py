@@ -69,8 +69,8 @@ def _autocast(hidden, weight, bias):
 
 
 def _targets_checked() -> bool:
-    # The range check needs one host sync: skipped while tracing or capturing a CUDA graph,
-    # and when FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
+    # The range check waits on the host for a flag: skipped while tracing or capturing a CUDA
+    # graph, and when FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
     if os.environ.get("FLCE_CHECK_TARGETS", "1") == "0" or torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -80,8 +80,27 @@ def _out_of_range(targets: Tensor, vocab_size: int, ignore_index: int) -> Tensor
     return ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
 
 
-def _raise_if_out_of_range(bad: Tensor, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
-    if bool(bad.any()):  # the host sync
+def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
+    """Queues the range check of the targets ahead of the loss's own work: a flag copied to
+    pinned host memory, and an event that marks it ready."""
+    bad = _out_of_range(targets, vocab_size, ignore_index)
+    any_bad = bad.any()
+    if targets.device.type != "cuda":
+        return bad, any_bad, None
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(any_bad, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return bad, flag, ready
+
+
+def _finish_target_check(check, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raises on an out-of-range target. Called once the loss's work is queued: the host waits
+    for the flag only (the kernels queued before it), while the GPU goes on with the loss."""
+    bad, flag, ready = check
+    if ready is not None:
+        ready.synchronize()
+    if bool(flag):
         value = int(targets[bad][0])
         raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
 
@@ -157,9 +176,9 @@ def fused_linear_cross_entropy(
         group_name = process_group.group_name
     elif vocab_start is not None:
         raise ValueError("vocab_start needs a process_group")
-    # The range of the targets is checked after the work is queued, so that the host sync
-    # it needs does not leave the GPU idle while the launches are prepared.
-    bad_targets = _out_of_range(targets, total_vocab_size, ignore_index) if _targets_checked() else None
+    # The targets' range flag is queued first and read once the loss's work is queued behind
+    # it: the host never waits for the loss itself, so the GPU does not idle at the check.
+    target_check = _start_target_check(targets, total_vocab_size, ignore_index) if _targets_checked() else None
 
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
@@ -178,8 +197,8 @@ def fused_linear_cross_entropy(
         reduction, bool(return_metrics),
         *(in_forward and n for n in needs),
     )
-    if bad_targets is not None:
-        _raise_if_out_of_range(bad_targets, targets, total_vocab_size, ignore_index)
+    if target_check is not None:
+        _finish_target_check(target_check, targets, total_vocab_size, ignore_index)
     if reduction == "none":
         loss = loss.reshape(leading_shape)
     outputs = [loss]

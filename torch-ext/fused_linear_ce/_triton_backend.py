@@ -163,14 +163,10 @@ def _scalars(opts: LossOptions, vocab_size: int) -> dict:
     )
 
 
-_dummies: dict[torch.device, torch.Tensor] = {}
-
-
 def _dummy(device: torch.device) -> torch.Tensor:
-    # Stands for pointer arguments that a variant of a kernel does not touch.
-    if device not in _dummies:
-        _dummies[device] = torch.zeros(1, device=device)
-    return _dummies[device]
+    # Stands for pointer arguments that a variant of a kernel does not touch (allocated per
+    # call, so that nothing stays allocated between calls).
+    return torch.empty(1, device=device)
 
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
