@@ -47,8 +47,11 @@ def best_peer(latest, row, inputs, key):
     return min(values) if values else None
 
 
-def logits_mib(r):
-    return r["n_tokens"] * r["vocab_size"] * 2 / 2**20
+def logits_mib(r, element_size=2):
+    return r["n_tokens"] * r["vocab_size"] * element_size / 2**20
+
+
+ELEMENT_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def table(latest, rows, inputs):
@@ -77,7 +80,8 @@ def table(latest, rows, inputs):
 def targets(latest, rows, inputs):
     """The performance issue's targets, row by row, from the same run's numbers."""
     lines = ["| row | step / fastest peer (≤ 0.90) | fastest peer fwd / fwd (≥ 1.10) | "
-             "peak − grads / bf16 logits (≤ 25%) | errors ≤ PyTorch's |", "|---|---|---|---|---|"]
+             "peak − grads / logits in the inputs' dtype (≤ 25%) | largest of loss, grad_h, grad_w error / "
+             "PyTorch's (≤ 1) |", "|---|---|---|---|---|"]
     for row in rows:
         ours = latest.get((row, inputs, OURS))
         if ours is None or "error" in ours:
@@ -86,17 +90,19 @@ def targets(latest, rows, inputs):
         fwd_peer = best_peer(latest, row, inputs, "fwd_ms")
         step_ratio = ours["step_ms"] / step_peer if step_peer else None
         fwd_ratio = fwd_peer / ours["fwd_ms"] if fwd_peer else None
-        mem_ratio = ours["step_peak_minus_grads_mib"] / logits_mib(ours)
+        mem_ratio = ours["step_peak_minus_grads_mib"] / logits_mib(ours, ELEMENT_SIZE[ours["dtype"]])
         torch_r = latest.get((row, inputs, "torch"), {})
-        errs_ok = None
+        err_ratio = None
         if "loss_err" in ours and "loss_err" in torch_r:
-            errs_ok = all(ours[k] <= torch_r[k] * 1.0001 + 1e-7
-                          for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
+            # a loss error below 1e-6 is fp32 rounding of the sum itself: counted as equal
+            err_ratio = max(max(ours[k], 1e-6 if k == "loss_err" else 0) / max(torch_r[k], 1e-6 if k == "loss_err"
+                                                                              else 1e-30)
+                            for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
 
         def mark(ok):
             return "" if ok is None else (" ✓" if ok else " ✗")
 
-        errs = "—" if errs_ok is None else ("yes ✓" if errs_ok else "no ✗")
+        errs = "—" if err_ratio is None else f"{err_ratio:.3f}{mark(err_ratio <= 1.0)}"
         lines.append(
             f"| {row} | {fmt(step_ratio, '.2f')}{mark(step_ratio and step_ratio <= 0.9)} | "
             f"{fmt(fwd_ratio, '.2f')}{mark(fwd_ratio and fwd_ratio >= 1.1)} | "
@@ -142,16 +148,66 @@ def environment(runs):
     return "\n".join(lines)
 
 
+def floor_ms(r):
+    """The 6·N·V·H flops of a training step at the run's measured bf16 matmul rate."""
+    return 6 * r["n_tokens"] * r["vocab_size"] * r["hidden_size"] / r["_matmul"] / 1e9
+
+
+def floor_table(latest, rows, inputs="lm"):
+    """How much of the measured matmul rate each step uses, and what the 0.9× target asks."""
+    lines = ["| row | 6·NVH at the measured matmul rate, ms | fused-linear-ce step, ms (share of the rate) | "
+             "fastest peer step, ms (share) | 0.9 × fastest peer, ms (share it needs) |", "|---|---|---|---|---|"]
+    for row in rows:
+        ours = latest.get((row, inputs, OURS))
+        peer = best_peer(latest, row, inputs, "step_ms")
+        if ours is None or "error" in ours or peer is None or not ours.get("_matmul"):
+            continue
+        floor = floor_ms(ours)
+        lines.append(f"| {row} | {floor:.1f} | {ours['step_ms']:.1f} ({floor / ours['step_ms']:.0%}) | "
+                     f"{peer:.1f} ({floor / peer:.0%}) | {0.9 * peer:.1f} ({floor / (0.9 * peer):.0%}) |")
+    return "\n".join(lines)
+
+
+def nccl_runs():
+    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("nccl-*.json"))]
+
+
+def nccl_section(runs):
+    """The vocabulary-parallel checks and throughput over NCCL (scripts/gpu-distributed)."""
+    lines = []
+    for name, data in runs:
+        cases = [r for ranks in data["ranks"] for r in ranks]
+        passed = sum(r["ok"] for r in cases)
+        lines += [f"`{name}`: {data['gpus']} × {data['gpu']}, torch {data['torch']}, {data['backend']}, "
+                  f"{data['date']}. Correctness checks of `tests/test_distributed.py` on every rank: "
+                  f"{passed} of {len(cases)} passed.", ""]
+        t = data.get("throughput")
+        if t:
+            lines += ["| head (H, V), N, dtype | chunks | all-reduces a step | unsharded step, one GPU, ms | "
+                      "sharded step, one rank, ms | the all-reduces alone, ms | bound: unsharded / P + "
+                      "all-reduces, ms | sharded / bound |", "|---|---|---|---|---|---|---|---|",
+                      f"| ({t['head'][0]}, {t['head'][1]}), {t['n_tokens']}, {t['dtype']} | {t['chunks']} | "
+                      f"{t['all_reduces_per_step']} | {t['unsharded_step_ms']:.2f} | {t['sharded_step_ms']:.2f} | "
+                      f"{t['all_reduces_ms']:.2f} | {t['bound_ms']:.2f} | {t['ratio_to_bound']:.3f}"
+                      f"{' ✓' if t['ok'] else ' ✗'} |", "", f"Timing: {t['timing']}."]
+    return "\n".join(lines)
+
+
+def _listing(values, spec, suffix=""):
+    return ", ".join(f"{v:{spec}}{suffix} ({row})" for row, v in values.items() if v is not None)
+
+
 def summary(latest):
     """README's paragraph on where the kernel stands, its numbers computed from the results."""
-    def ratio(row, key, peer_first=False):
-        ours = latest.get((row, "lm", OURS), {}).get(key)
-        peer = best_peer(latest, row, "lm", key)
+    def ratio(row, key, inputs="lm", peer_first=False):
+        ours = latest.get((row, inputs, OURS), {}).get(key)
+        peer = best_peer(latest, row, inputs, key)
         if ours is None or peer is None:
             return None
         return peer / ours if peer_first else ours / peer
 
     step = {row: ratio(row, "step_ms") for row in MAIN_ROWS}
+    step_uniform = {row: ratio(row, "step_ms", "uniform") for row in MAIN_ROWS}
     fwd = {row: ratio(row, "fwd_ms", peer_first=True) for row in MAIN_ROWS}
     mem = [latest[(row, "lm", OURS)]["step_peak_minus_grads_mib"] / logits_mib(latest[(row, "lm", OURS)])
            for row in MAIN_ROWS if (row, "lm", OURS) in latest]
@@ -161,23 +217,33 @@ def summary(latest):
     fp32 = latest.get(("llama2-fp32", "lm", OURS))
     fp32_peer = latest.get(("llama2-fp32", "lm", "torch.compile"))
     mem_text = f"{min(mem):.0%}" if f"{min(mem):.0%}" == f"{max(mem):.0%}" else f"{min(mem):.0%}–{max(mem):.0%}"
+    step_met = [r for r, v in step.items() if v is not None and v <= 0.9]
+    fwd_met = [r for r, v in fwd.items() if v is not None and v >= 1.1]
     text = (
         f"Where it stands, from these runs: the extra memory of a training step is "
         f"{mem_text} of the bf16 logits at N = 8192 and stays flat with N "
         f"({min(flat):.0f}–{max(flat):.0f} MiB from N = 2048 to 65536 on the Llama-3 head, where "
         f"torch.compile's grows from {min(compile_flat):.0f} to {max(compile_flat):.0f} MiB); the loss and "
-        f"gradient errors are below plain PyTorch's. On speed it is level with the fastest peer "
-        f"(torch.compile), not ahead of it: the training step takes "
-        + ", ".join(f"{step[r]:.2f}× ({r})" for r in MAIN_ROWS if step[r]) +
-        " of its time, and the forward runs at "
-        + ", ".join(f"{fwd[r]:.2f}× its speed ({r})" for r in MAIN_ROWS if fwd[r]) + ".")
+        f"gradient errors are at most plain PyTorch's. Against the fastest peer in the same run (torch.compile), "
+        f"the training step takes {_listing(step, '.2f', '×')} of its time on LM-like inputs "
+        f"({_listing(step_uniform, '.2f', '×')} on uniform ones), and the forward runs at "
+        f"{_listing(fwd, '.2f', '×')} its speed.")
     if fp32 and fp32_peer:
-        text += (f" In fp32 it is ahead: {fp32['step_ms'] / fp32_peer['step_ms']:.2f}× the step time and "
-                 f"{fp32_peer['fwd_ms'] / fp32['fwd_ms']:.2f}× the forward speed on the Llama-2 head.")
-    text += (" A step is three matrix products the size of the logits, as torch.compile's three cuBLAS "
-             "products are, plus one pass over a chunk buffer: the logit product is a Triton kernel, the two "
-             "gradient products are cuBLAS's. The 0.9× step and 1.1× forward targets of the performance "
-             "work are not met; BENCHMARKS.md lists them row by row.")
+        text += (f" In fp32 (Llama-2 head) the step takes {fp32['step_ms'] / fp32_peer['step_ms']:.2f}× and the "
+                 f"forward runs at {fp32_peer['fwd_ms'] / fp32['fwd_ms']:.2f}× torch.compile's speed.")
+    text += (f" The performance work's targets: a step at most 0.9× the fastest peer's is met on "
+             f"{', '.join(step_met) or 'no row'}; a forward at least 1.1× faster on {', '.join(fwd_met) or 'no row'}.")
+    llama = latest.get(("llama3", "lm", OURS))
+    peer = best_peer(latest, "llama3", "lm", "step_ms")
+    if llama and peer and llama.get("_matmul"):
+        floor = floor_ms(llama)
+        text += (f" For scale: at this GPU's measured bf16 matmul rate ({llama['_matmul']:.0f} TFLOP/s), the "
+                 f"6·N·V·H flops of a Llama-3 step alone take {floor:.1f} ms; torch.compile's step runs at "
+                 f"{floor / peer:.0%} of that rate and this kernel's at {floor / llama['step_ms']:.0%}, while 0.9× "
+                 f"torch.compile's time asks for {floor / (0.9 * peer):.0%} over the whole step, softmax included "
+                 f"(BENCHMARKS.md, \"Distance to the matmul floor\").")
+    text += (" A step is three matrix products the size of the logits, as torch.compile's are: the logit product "
+             "is a Triton kernel with the softmax in its epilogue, the two gradient products are cuBLAS's.")
     walls = [r["wall_s"] for (row, inputs, method), r in latest.items() if method == OURS and "wall_s" in r]
     if walls:
         text += (f"\n\nThe first call for a given (H, V, dtype, flags) in a process pays for Triton compilation and "
@@ -231,6 +297,13 @@ def main():
         parts += [f"![{name}](benchmarks/plots/{name})" for name in made]
     if other_rows:
         parts += ["", "## Other rows (dtypes, one rank's vocabulary slice)", "", table(latest, other_rows, "lm")]
+    parts += ["", "## Distance to the matmul floor (lm inputs)", "",
+              "A training step does 6·N·V·H useful flops (logits, grad_hidden, grad_weight); at the bf16 matmul "
+              "rate measured in the same run (an 8192³ product) they take the first column's time. The share "
+              "in brackets is that time over the step's.", "", floor_table(latest, MAIN_ROWS)]
+    nccl = nccl_runs()
+    if nccl:
+        parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
     benchmarks_md = "\n".join(parts) + "\n"
 
     # README: the headline table between the markers

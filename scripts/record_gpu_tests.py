@@ -1,6 +1,6 @@
 """Summarises a GPU pytest run as JSON (date, GPU, versions, counts) for the repository.
 
-    python scripts/record_gpu_tests.py PYTEST_LOG EXIT_CODE SECONDS > gpu-tests.json
+    python scripts/record_gpu_tests.py PYTEST_LOG EXIT_CODE SECONDS [COMMAND] > gpu-tests.json
 """
 
 import datetime
@@ -21,7 +21,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "command": "scripts/gpu-check tests",
+        "command": sys.argv[4] if len(sys.argv) > 4 else "scripts/gpu-check tests",
         "exit_code": exit_code,
         "seconds": seconds,
         "counts": counts,
