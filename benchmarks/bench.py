@@ -224,6 +224,8 @@ def main():
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows: " + ", ".join(ROWS))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--inputs", default="lm,uniform", help="lm, uniform or both")
+    parser.add_argument("--uniform-rows", default="gemma2,llama3,qwen25,llama2",
+                        help="rows that also run uniform inputs when --inputs has them (the main heads)")
     parser.add_argument("--rep-ms", type=float, default=400)
     parser.add_argument("--errors-rows", default="gemma2,llama3,qwen25,llama2,llama2-fp32,llama2-fp16",
                         help="rows whose errors against the fp32 reference are measured")
@@ -245,6 +247,8 @@ def main():
     for row in args.rows.split(","):
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
         for kind in args.inputs.split(","):
+            if kind == "uniform" and row not in args.uniform_rows.split(","):
+                continue
             hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), kind)
             ref = reference(hidden, weight, targets) if row in args.errors_rows.split(",") else None
             with torch.no_grad():
