@@ -15,13 +15,13 @@ lse: the logits are recomputed chunk by chunk, now with lse known, and written d
 as grad logits (8 N V H flops in all).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from . import _torch_backend, _triton_backend
 from ._distributed import Shard
-from ._options import LossOptions, RowResults
+from ._options import LossOptions, RowResults, RowStats
 
 
 def backend_for(device: torch.device):
@@ -66,6 +66,15 @@ def _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end):
             torch.mm(grad_logits.t(), hidden[start:end], out=grad_weight)
         else:
             grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+
+
+def _concat_stats(chunks: list[RowStats]) -> RowStats:
+    """The statistics of consecutive chunks of rows as one block."""
+    def joined(name):
+        parts = [getattr(c, name) for c in chunks]
+        return None if parts[0] is None else torch.cat(parts)
+
+    return RowStats(**{f.name: joined(f.name) for f in fields(RowStats)})
 
 
 def _plan_chunk(backend, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
@@ -125,11 +134,19 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
     pending = []  # grad_hidden all-reduces in flight (vocabulary parallelism)
+    # Vocabulary parallelism without gradients in the sweep: one merge of every row's
+    # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
+    # its global lse before the next chunk takes the buffer.
+    merge_once = shard is not None and not training
+    chunk_stats = []
 
     for start, end in _chunks(n_rows, chunk):
         hidden_c, targets_c, slice_targets_c = hidden[start:end], targets[start:end], slice_targets[start:end]
         shifted = buffer[: end - start] if training else None
         stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, shifted)
+        if merge_once:
+            chunk_stats.append(stats)
+            continue
         if shard is not None:
             stats = shard.merge(stats)
         out = RowResults(*(None if t is None else t[start:end]
@@ -146,6 +163,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                 pending.append(shard.start_all_reduce(grad_hidden[start:end]))
     for work in pending:
         work.wait()
+    if merge_once and chunk_stats:
+        backend.finalize(shard.merge(_concat_stats(chunk_stats)), targets, opts, vocab_size, rows)
 
     if reduction == "none":
         loss = rows.loss
