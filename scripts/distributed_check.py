@@ -61,10 +61,13 @@ def throughput(flce, rank: int, world: int) -> dict:
         h.grad = w_local.grad = None
         flce.fused_linear_cross_entropy(h, w_local, targets, process_group=dist.group.WORLD).backward()
 
-    # The all-reduces of one sharded step, alone: per chunk of rows an int64 MAX [rows], an
-    # fp32 SUM [rows, 5] and the chunk's grad_hidden [rows, H] (asynchronous) in bf16.
-    backend = sys.modules[flce.__name__ + "._triton_backend"]
-    chunk = backend.chunk_rows(n_tokens, -(-vocab // world), hidden.dtype, True, world)
+    # The all-reduces of one sharded step, alone, over the chunks that the kernel plans: per
+    # chunk an int64 MAX [rows], an fp32 SUM [rows, 5] and the chunk's grad_hidden [rows, H]
+    # (asynchronous) in bf16.
+    package = flce.__name__
+    shard = sys.modules[package + "._distributed"].Shard(dist.group.WORLD, start, vocab)
+    chunk = sys.modules[package + "._chunked"]._plan_chunk(
+        sys.modules[package + "._triton_backend"], n_tokens, sizes[rank], hidden.dtype, True, shard)
     starts = range(0, n_tokens, chunk)
     keys = [torch.zeros(min(chunk, n_tokens - s), dtype=torch.int64, device="cuda") for s in starts]
     packed = [torch.zeros(min(chunk, n_tokens - s), 5, dtype=torch.float32, device="cuda") for s in starts]

@@ -252,8 +252,10 @@ def leaks(flce, steps):
     del loss, metrics  # the last step's outputs, which the caller would hold
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
+    blocks = live_blocks()
+    torch.cuda.memory._record_memory_history(enabled=None)
     return {"steps": steps, "allocated_initial": initial, "allocated_after_first_call": before,
-            "allocated_after": after, "ok": initial == before == after, "live_blocks": live_blocks()}
+            "allocated_after": after, "ok": initial == before == after, "live_blocks": blocks}
 
 
 def live_blocks(limit: int = 12) -> list:

@@ -301,8 +301,7 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     block_v = tile_width(buffer.dtype)
     # Without a bias, programs also split the rows (more of them in flight: this pass is
     # bound by memory bandwidth); with one, a program walks all rows of its columns.
-    split_rows = 32 if interpreting() else env_int("FLCE_GRAD_ROWS", 128)
-    rows_per_program = n_rows if bias_grad_acc is not None else split_rows
+    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
     grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
     K._grad_from_shifted_kernel[grid](
         buffer, state, lse, loss_grad, targets,
@@ -310,9 +309,9 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
         n_rows, rows_per_program, vocab_size, buffer.stride(0),
         **_scalars(opts, vocab_size),
         **_flags(opts, bias_grad_acc),
-        BLOCK_N=16 if interpreting() else env_int("FLCE_GRAD_BLOCK_N", 32),
+        BLOCK_N=16 if interpreting() else 32,
         BLOCK_V=block_v,
-        num_warps=env_int("FLCE_GRAD_WARPS", 8),
+        num_warps=8,
     )
     return buffer
 

@@ -88,9 +88,9 @@ def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
     if targets.device.type != "cuda":
         return bad, any_bad, None
     flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    flag.copy_(any_bad, non_blocking=True)
+    flag.copy_(any_bad, non_blocking=True)  # on the targets' device's current stream
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(targets.device))
     return bad, flag, ready
 
 
