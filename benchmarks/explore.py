@@ -87,17 +87,51 @@ def time_logit_kernel(flce, hidden, weight, targets, config):
     rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True)
     h, t = hidden[:rows], targets[:rows]
     buffer = backend.new_buffer(rows, weight.shape[0], hidden.dtype, hidden.device)
+    row_ref = backend.row_reference(h, weight, t.clamp(min=0), options)
+    loss_grad = torch.ones(rows, device=h.device)
     os.environ["FLCE_CONFIG"] = config
     out = {}
+    variants = {"stats": dict(shifted_out=None), "stats_and_buffer": dict(shifted_out=buffer),
+                "stats_and_exp": dict(shifted_out=buffer, row_ref=row_ref, loss_grad=loss_grad)}
     try:
-        for name, buf in (("stats", None), ("stats_and_buffer", buffer)):
-            ms = do_bench(lambda buf=buf: backend.row_stats(h, weight, None, t, options, buf),
+        for name, kwargs in variants.items():
+            ms = do_bench(lambda kwargs=kwargs: backend.row_stats(h, weight, None, t, options, **kwargs),
                           warmup=50, rep=200, return_mode="median")
             out[f"{name}_tflops"] = 2 * rows * weight.shape[0] * weight.shape[1] / ms / 1e9
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
         del os.environ["FLCE_CONFIG"]
+    return out
+
+
+def time_gemms(hidden_size, vocab_size, rows_list, dtype=torch.bfloat16):
+    """TFLOP/s of a training chunk's cuBLAS products at several chunk sizes: the logits
+    H_c @ W^T, grad_hidden G @ W (16-bit and fp32 output), grad_weight G^T @ H_c (beta 0 and 1)."""
+    dev = dict(device="cuda", dtype=dtype)
+    weight = torch.randn(vocab_size, hidden_size, **dev) / hidden_size**0.5
+    grad_weight = torch.randn(vocab_size, hidden_size, **dev)
+    def products(hidden, grad_logits):
+        return {
+            "logits": lambda: torch.mm(hidden, weight.T),
+            "grad_hidden": lambda: torch.mm(grad_logits, weight),
+            "grad_hidden_f32": lambda: torch.mm(grad_logits, weight, out_dtype=torch.float32),
+            "grad_weight_first": lambda: torch.mm(grad_logits.T, hidden, out=grad_weight),
+            "grad_weight_accumulate": lambda: grad_weight.addmm_(grad_logits.T, hidden),
+        }
+
+    out = []
+    for rows in rows_list:
+        hidden = torch.randn(rows, hidden_size, **dev)
+        grad_logits = torch.randn(rows, vocab_size, **dev) * 1e-3
+        rec = {"gemm_rows": rows, "hidden_size": hidden_size, "vocab_size": vocab_size}
+        for name, fn in products(hidden, grad_logits).items():
+            try:
+                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                rec[f"{name}_tflops"] = 2 * rows * vocab_size * hidden_size / ms / 1e9
+            except Exception as e:
+                rec[f"{name}_error"] = f"{type(e).__name__}: {e}"[:200]
+        out.append(rec)
     return out
 
 
@@ -110,10 +144,17 @@ def main():
     parser.add_argument("--breakdown", action="store_true", help="per-kernel ms of a step, busy and span")
     parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
     parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
+    parser.add_argument("--gemm-rows", default="", help="','-separated chunk sizes for time_gemms")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     flce, _ = load_flce()
     records = []
+    if args.gemm_rows:
+        for row in args.rows.split(","):
+            hidden_size, vocab_size, _, _ = ROWS[row]
+            for rec in time_gemms(hidden_size, vocab_size, [int(r) for r in args.gemm_rows.split(",")]):
+                print(json.dumps({"row": row, **rec}), flush=True)
+                records.append({"row": row, **rec})
     for row in args.rows.split(","):
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
         hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")

@@ -79,6 +79,14 @@ CASES = {
     "b_t_h_hidden": dict(lead=(3, 7), ignore=0.2),
     "b_t_h_hidden_none": dict(lead=(3, 7), reduction="none"),
     "int32_targets": dict(target_dtype=torch.int32, ignore=0.2),
+    # The factored gradient (bf16/fp32 without bias, softcap, smoothing, z-loss) over chunks,
+    # with ignored rows skipped; then rows whose max passes their sampled reference by more
+    # than the gap (logits ~ N(0, 30^2), a one-row sample); then the grad-pass path and every
+    # row computed, on the same kind of inputs.
+    "factored_chunks_ignored": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), ignore=0.3, logit_scale=0.7),
+    "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
+    "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
+    "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
 }
 
 
@@ -416,6 +424,40 @@ def _count_calls(monkeypatch, module, name):
 
     monkeypatch.setattr(module, name, counted)
     return calls
+
+
+@pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])
+def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch, dtype):
+    """A training step without bias, softcap, smoothing or z-loss: after the first chunk the
+    logit sweep sees only the rows with a loss, and the gradient is factored, also for rows whose max passes their
+    reference (the target's logit) by more than the gap; results as the reference."""
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    backend = submodule(flce, "_triton_backend")
+    gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
+    swept_rows, moved_rows = [], []
+    row_stats, row_factors = backend.row_stats, backend.row_factors
+
+    def counting_row_stats(hidden, *args, **kwargs):
+        swept_rows.append(hidden.shape[0])
+        return row_stats(hidden, *args, **kwargs)
+
+    def counting_row_factors(buffer, state, row_max, row_ref, *args):
+        moved_rows.append(int((row_max > row_ref + gap).sum()))
+        return row_factors(buffer, state, row_max, row_ref, *args)
+
+    monkeypatch.setattr(backend, "row_stats", counting_row_stats)
+    monkeypatch.setattr(backend, "row_factors", counting_row_factors)
+    hidden, weight, targets, bias = make_inputs(37, H, V, dtype, seed=77, ignore=0.3, scale=30.0)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
+
+    # The first chunk (8 rows) is swept whole; after it, only the rows with a loss.
+    later_valid = int((targets[8:] != -100).sum())
+    assert sum(swept_rows) == 8 + later_valid < 37
+    assert len(moved_rows) == len(swept_rows) and sum(moved_rows) > 0
+    assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
+    check_grads((hidden, weight, None), ref, dtype)
 
 
 def test_device_tensors_use_the_triton_backend(flce, monkeypatch):

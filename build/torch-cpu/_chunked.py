@@ -1,14 +1,20 @@
 """The algorithm: a loop over bounded chunks of rows, independent of the backend.
 
+Rows whose target is ``ignore_index`` carry no loss, gradient or metric: they are left out
+(one host sync for their count), unless a CUDA graph is being captured or the per-row lse of
+every row is wanted.
+
 Forward, for each chunk of rows: one sweep over the vocabulary reduces every logit tile
 to softmax statistics (``row_stats``), merged into lse, loss, argmax and entropy per row.
 
 Training (reduction "mean"/"sum", gradients wanted): the same sweep also keeps the chunk's
-logits, relative to their tile max, in a buffer of rows x V (never N x V). Once the
-chunk's lse is known they become grad logits G in place, and two matrix products finish
-the chunk: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chunk]. The whole
-step costs 6 N V H flops. The gradients are those of d loss with grad_output = 1; the
-backward scales them by the real grad_output.
+logits in a buffer of rows x V (never N x V), and two matrix products finish the chunk once
+its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chunk]. The
+whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
+buffer keeps exponentials and G = diag(r) E' is never formed: the row factors r go on the
+products' small side (see ``_kernels``). Otherwise it keeps logits relative to their tile max,
+turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
+the backward scales them by the real grad_output.
 
 Backward of reduction "none" (a gradient per row, unknown in the forward) or of a returned
 lse: the logits are recomputed chunk by chunk, now with lse known, and written directly
@@ -21,7 +27,7 @@ import torch
 
 from . import _torch_backend, _triton_backend
 from ._distributed import Shard
-from ._options import LossOptions, RowResults, RowStats
+from ._options import LossOptions, RowResults, RowStats, env_int
 
 
 def backend_for(device: torch.device):
@@ -54,18 +60,160 @@ def _chunks(n_rows: int, rows: int):
         yield start, min(n_rows, start + rows)
 
 
-def _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end):
-    """grad_hidden[start:end] = G @ W and grad_weight (+)= G^T @ hidden[start:end]."""
-    grad_logits = grad_logits.to(hidden.dtype)
-    if grad_hidden is not None:
-        torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-    if grad_weight is not None:
-        if grad_weight.dtype != hidden.dtype:  # an fp32 accumulator: one rounding per chunk's part
-            grad_weight += torch.mm(grad_logits.t(), hidden[start:end])
-        elif start == 0:
-            torch.mm(grad_logits.t(), hidden[start:end], out=grad_weight)
+_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype for these inputs (PyTorch >= 2.8 on CUDA)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b [M, N] in fp32: 16-bit products accumulate in fp32, and the result stays so
+    (rounded to 16 bits only after the row factors), where PyTorch allows it."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda and _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE[0] = False
+    if a.is_cuda:
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())
+
+
+class _RowOrder:
+    """Which rows are computed, in which order: the first chunk's rows [0, first) in place
+    (ignored rows among them computed and masked), then the later rows with a loss first
+    (a stable permutation, ``order`` int64 [N]), up to their count.
+
+    Ignored rows add no loss, gradient or metric, so the chunks stop at that count instead of
+    computing and masking them. The host reads the count only once the first chunk's work is
+    queued (``rows_to_compute``): the GPU never waits for the read. Rows [0, in_place) of the
+    order are the identity, taken as slices rather than gathered."""
+
+    def __init__(self, targets: torch.Tensor, ignore_index: int, first: int):
+        n_rows = targets.shape[0]
+        has_loss = targets[first:] != ignore_index
+        later = torch.argsort(has_loss.logical_not().to(torch.uint8), stable=True) + first
+        self.order = torch.cat([torch.arange(first, device=targets.device), later])
+        self.n_rows, self.first, self.in_place = n_rows, first, first
+        count = has_loss.sum()
+        self._ready = None
+        if targets.is_cuda:
+            self._count = torch.empty((), dtype=torch.int64, pin_memory=True)
+            self._count.copy_(count, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(targets.device))
         else:
-            grad_weight.addmm_(grad_logits.t(), hidden[start:end])
+            self._count = count
+
+    def rows_to_compute(self) -> int:
+        """How many rows of the order to compute (waits for the count)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        total = self.first + int(self._count)
+        if total == self.n_rows:  # every later row has a loss: the order is the identity
+            self.in_place = total
+        return total
+
+    def take(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the order, of ``t`` [N, ...]."""
+        return t[start:end] if end <= self.in_place else t.index_select(0, self.order[start:end])
+
+    def unorder(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row values [N] in the order, back in the rows' own order."""
+        if self.in_place == self.n_rows:
+            return values
+        return torch.empty_like(values).index_copy_(0, self.order, values)
+
+
+def _row_order(targets: torch.Tensor, ignore_index: int, first: int, all_rows: bool) -> _RowOrder | None:
+    """A ``_RowOrder``, or None (compute every row in place) when every row's lse is wanted,
+    when the first chunk holds every row, while a CUDA graph is captured (the host cannot
+    read the count then), or with FLCE_SKIP_IGNORED=0."""
+    if all_rows or first >= targets.shape[0] or env_int("FLCE_SKIP_IGNORED", 1) == 0:
+        return None
+    if targets.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    return _RowOrder(targets, ignore_index, first)
+
+
+def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None):
+    """[start, end) of each chunk: a first chunk of at most ``chunk`` rows, then the rows
+    that ``row_order`` computes (asked once the first chunk's work is queued), spread evenly
+    over chunks of at most ``chunk`` rows, in multiples of 128 (whole row blocks)."""
+    first = min(chunk, n_rows)
+    if first == 0:
+        return
+    yield 0, first
+    total = n_rows if row_order is None else row_order.rows_to_compute()
+    rest = total - first
+    if rest > 0:
+        per_chunk = _cdiv(rest, _cdiv(rest, chunk))
+        per_chunk = min(chunk, _cdiv(per_chunk, 128) * 128)
+        for start in range(first, total, per_chunk):
+            yield start, min(total, start + per_chunk)
+
+
+class _Gradients:
+    """grad_hidden [N, H], grad_weight [V, H] and the bias' fp32 column sums, filled chunk by
+    chunk of the computed rows (in ``row_order``'s order, or in place when it is None)."""
+
+    def __init__(self, hidden, vocab_size, grads, chunk, n_chunks, row_order, shard):
+        want_h, want_w, want_b = grads
+        self.row_order, self.shard = row_order, shard
+        self.pending = []  # grad_hidden all-reduces in flight: (work, block, rows it goes to or None)
+        self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+        self.grad_weight = _new_weight_grad(vocab_size, hidden.shape[1], hidden, chunk, n_chunks) if want_w else None
+        self.bias_acc = torch.zeros(vocab_size, device=hidden.device, dtype=torch.float32) if want_b else None
+        self.first = True
+        self.computed = 0
+
+    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
+        """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
+        ``row_factor`` r [rows] the factored G = diag(r) E' (E' in ``grad_logits``), whose row
+        factors ``backend.scale_rows`` applies on the products' small side."""
+        self.computed = end
+        if self.grad_hidden is not None:
+            in_place = self.row_order is None or end <= self.row_order.in_place
+            rows = None if in_place else self.row_order.order[start:end]
+            # Gathered rows go straight to their places, unless they are all-reduced first.
+            block = self.grad_hidden[start:end] if in_place else None
+            if block is None and self.shard is not None:
+                block = self.grad_hidden.new_empty(hidden_c.shape)
+            if row_factor is not None:
+                backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
+                                   self.grad_hidden if block is None else block, None if block is not None else rows)
+            elif block is not None:
+                torch.mm(grad_logits.to(weight.dtype), weight, out=block)
+            else:
+                self.grad_hidden.index_copy_(0, rows, torch.mm(grad_logits.to(weight.dtype), weight))
+            if self.shard is not None:
+                self.pending.append((self.shard.start_all_reduce(block), block, rows))
+        if self.grad_weight is not None:
+            # G^T H = E'^T (diag(r) H): the row factors ride on the chunk's hidden rows.
+            rhs = hidden_c
+            if row_factor is not None:
+                rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
+                backend.scale_rows(hidden_c, row_factor, rhs)
+            lhs = grad_logits.to(hidden_c.dtype).t()
+            if self.grad_weight.dtype != hidden_c.dtype:  # an fp32 accumulator: one rounding per chunk
+                self.grad_weight += torch.mm(lhs, rhs)
+            elif self.first:
+                torch.mm(lhs, rhs, out=self.grad_weight)
+            else:
+                self.grad_weight.addmm_(lhs, rhs)
+        self.first = False
+
+    def finish(self, dtype, bias):
+        """(grad_hidden, grad_weight, grad_bias) in the inputs' dtype, all-reduces done; rows
+        never computed get an exactly zero grad_hidden."""
+        for work, block, rows in self.pending:
+            work.wait()
+            if rows is not None:
+                self.grad_hidden.index_copy_(0, rows, block)
+        if self.grad_hidden is not None and self.row_order is not None and self.computed < self.row_order.n_rows:
+            self.grad_hidden.index_fill_(0, self.row_order.order[self.computed:], 0)
+        grad_weight = None if self.grad_weight is None else self.grad_weight.to(dtype)
+        grad_bias = None if self.bias_acc is None else self.bias_acc.to(bias.dtype)
+        return self.grad_hidden, grad_weight, grad_bias
 
 
 def _concat_stats(chunks: list[RowStats]) -> RowStats:
@@ -108,79 +256,91 @@ def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch
 
 
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
-            grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None) -> ForwardResult:
+            grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
+            all_rows: bool = False) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
-    With a ``shard``, weight and bias are this rank's slice of the vocabulary."""
+    With a ``shard``, weight and bias are this rank's slice of the vocabulary. Rows with an
+    ignored target are skipped (their lse is returned as 0) unless ``all_rows``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
     backend = backend_for(device)
     f32 = dict(device=device, dtype=torch.float32)
-    rows = RowResults(
-        lse=torch.empty(n_rows, **f32),
-        loss=torch.empty(n_rows, **f32),
+    training = any(grads) and n_rows > 0
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
+    row_order = _row_order(targets, opts.ignore_index, min(chunk, n_rows), all_rows)
+    if row_order is not None:
+        targets = targets.index_select(0, row_order.order)
+    # Per-row results in the computed order; rows never computed (ignored) keep zeros.
+    results = RowResults(
+        lse=torch.zeros(n_rows, **f32),
+        loss=torch.zeros(n_rows, **f32),
         correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if opts.return_metrics else None,
         entropy=torch.zeros(n_rows, **f32) if opts.return_metrics else None,
     )
-    want_h, want_w, want_b = grads
-    training = any(grads) and n_rows > 0
-    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
+    n_chunks = _cdiv(n_rows, chunk) if training else 0
+    gradients = _Gradients(hidden, vocab_size, grads, chunk, n_chunks, row_order, shard)
+    slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
+    factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
-    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
-    n_chunks = _cdiv(n_rows, chunk) if training else 0
-    grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
-    bias_grad_acc = torch.zeros(vocab_size, **f32) if want_b else None
-    slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
-    pending = []  # grad_hidden all-reduces in flight (vocabulary parallelism)
+        loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.
     merge_once = shard is not None and not training
     chunk_stats = []
 
-    for start, end in _chunks(n_rows, chunk):
-        hidden_c, targets_c, slice_targets_c = hidden[start:end], targets[start:end], slice_targets[start:end]
-        shifted = buffer[: end - start] if training else None
-        stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, shifted)
+    computed = 0
+    for start, end in _spans(n_rows, chunk, row_order):
+        computed = end
+        hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
+        targets_c, slice_targets_c = targets[start:end], slice_targets[start:end]
+        stored = buffer[: end - start] if training else None
+        row_ref = backend.row_reference(hidden_c, weight, slice_targets_c, opts) if factored else None
+        stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, stored,
+                                         row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None)
         if merge_once:
             chunk_stats.append(stats)
             continue
+        local_row_max = stats.row_max
         if shard is not None:
             stats = shard.merge(stats)
         out = RowResults(*(None if t is None else t[start:end]
-                           for t in (rows.lse, rows.loss, rows.correct, rows.entropy)))
+                           for t in (results.lse, results.loss, results.correct, results.entropy)))
         backend.finalize(stats, targets_c, opts, vocab_size, out)
-        if training:
-            if start == 0:  # queued after the first sweep, so that the GPU starts at once
-                loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
+        if factored:
+            row_factor = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad[start:end],
+                                             slice_targets_c, opts)
+            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend)
+        elif training:
             grad_logits = backend.grad_from_stored(
-                shifted, state, slice_targets_c, out.lse, loss_grad[start:end], opts, bias_grad_acc
+                stored, state, slice_targets_c, out.lse, loss_grad[start:end], opts, gradients.bias_acc
             )
-            _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
-            if shard is not None and grad_hidden is not None:
-                pending.append(shard.start_all_reduce(grad_hidden[start:end]))
-    for work in pending:
-        work.wait()
+            gradients.add(start, end, hidden_c, grad_logits, weight)
     if merge_once and chunk_stats:
-        backend.finalize(shard.merge(_concat_stats(chunk_stats)), targets, opts, vocab_size, rows)
+        computed_results = RowResults(*(None if t is None else t[:computed]
+                                        for t in (results.lse, results.loss, results.correct, results.entropy)))
+        backend.finalize(shard.merge(_concat_stats(chunk_stats)), targets[:computed], opts, vocab_size,
+                         computed_results)
+    grad_hidden, grad_weight, grad_bias = gradients.finish(hidden.dtype, bias)
 
     if reduction == "none":
-        loss = rows.loss
+        loss = results.loss if row_order is None else row_order.unorder(results.loss)
     else:
-        loss = rows.loss.sum()
+        loss = results.loss.sum()
         if reduction == "mean":
             loss = loss / (targets != opts.ignore_index).sum()
     if opts.return_metrics:
-        num_correct, entropy_sum = rows.correct.sum(dtype=torch.int64), rows.entropy.sum()
+        num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:
         num_correct = torch.zeros((), device=device, dtype=torch.int64)
         entropy_sum = torch.zeros((), **f32)
     return ForwardResult(
-        loss=loss, lse=rows.lse, num_correct=num_correct, entropy_sum=entropy_sum,
-        grad_hidden=grad_hidden, grad_weight=None if grad_weight is None else grad_weight.to(hidden.dtype),
-        grad_bias=bias_grad_acc.to(bias.dtype) if want_b else None,
+        loss=loss, lse=results.lse if row_order is None else row_order.unorder(results.lse),
+        num_correct=num_correct, entropy_sum=entropy_sum,
+        grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
     )
 
 
@@ -188,33 +348,21 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
              grads: tuple[bool, bool, bool], shard: Shard | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (0 on ignored rows) and an optional ``lse_grad`` [N]."""
-    n_rows, hidden_size = hidden.shape
+    n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
-    device = hidden.device
-    backend = backend_for(device)
-    want_h, want_w, want_b = grads
-    grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    backend = backend_for(hidden.device)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, True, shard)
-    n_chunks = _cdiv(n_rows, chunk)
-    grad_weight = _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks) if want_w else None
-    bias_grad_acc = torch.zeros(vocab_size, device=device, dtype=torch.float32) if want_b else None
+    gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), None, shard)
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
-        buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
-        pending = []
+        buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, hidden.device)
         for start, end in _chunks(n_rows, chunk):
             hidden_c = hidden[start:end]
             grad_logits = backend.grad_logits(
                 hidden_c, weight, bias, targets[start:end], lse[start:end],
                 loss_grad[start:end], None if lse_grad is None else lse_grad[start:end], opts,
-                buffer[: end - start], bias_grad_acc,
+                buffer[: end - start], gradients.bias_acc,
             )
-            _matmuls(grad_logits, hidden, weight, grad_hidden, grad_weight, start, end)
-            if shard is not None and grad_hidden is not None:
-                pending.append(shard.start_all_reduce(grad_hidden[start:end]))
-        for work in pending:
-            work.wait()
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(hidden.dtype)
-    return grad_hidden, grad_weight, None if bias_grad_acc is None else bias_grad_acc.to(bias.dtype)
+            gradients.add(start, end, hidden_c, grad_logits, weight)
+    return gradients.finish(hidden.dtype, bias)

@@ -23,15 +23,47 @@ reduces the tile to a few numbers that can be merged in any grouping (online sof
 Two partial states (m1, s1, a1) and (m2, s2, a2) merge into M = max(m1, m2) with
 s = sum_k exp(m_k - M) s_k and a = sum_k exp(m_k - M) (a_k + s_k (M - m_k)); at the end
 lse = M + log s and the softmax entropy is log s + a / s (no cancellation: every term >= 0).
+The merge holds for any reference m_k in place of the tile max, as long as s_k and a_k are
+taken relative to it.
+
+Factored gradients (MODE_STATS_AND_EXP). Given a reference R_i per row, the tile sweep can
+store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without bias, softcap, smoothing or
+z-loss the gradient is then G = diag(r) E' with r_i = s g_i exp(R_i - lse_i) (g_i = d out /
+d loss_i) and E' = E minus exp(lse_i - R_i) at each row's target, so that
+
+    grad_hidden = diag(r) (E' @ W)        grad_weight += E'^T @ (diag(r) H)
+
+and no pass over the chunk's buffer is needed once lse is known. R_i starts as a cheap lower
+bound of the row max (the max over a sample of the vocabulary, B_i); a tile whose max passes
+B_i by more than REFERENCE_GAP keeps its own max as reference instead (exp(z - B_i) could
+overflow 16 bits there), and ``_row_factors_kernel`` later moves such rare rows to their
+true max. Entries below exp(-87) of their reference flush to zero, as exp does in fp32.
 """
 
 import triton
 import triton.language as tl
 
-# Modes of the logit kernel.
-MODE_STATS = 0  # tile statistics only (loss, metrics)
-MODE_STATS_AND_SHIFTED = 1  # tile statistics, and z - tile_max stored to a bounded buffer
-MODE_GRAD_LOGITS = 2  # lse is known: store grad logits G directly
+# Modes of the logit kernel (constexpr: the kernels compare against them; launches pass int(mode)).
+MODE_STATS = tl.constexpr(0)  # tile statistics only (loss, metrics)
+MODE_STATS_AND_SHIFTED = tl.constexpr(1)  # tile statistics, and z - tile_max stored to a bounded buffer
+MODE_GRAD_LOGITS = tl.constexpr(2)  # lse is known: store grad logits G directly
+MODE_STATS_AND_EXP = tl.constexpr(3)  # tile statistics, and exp(z - row reference) stored to a bounded buffer
+
+# How far above the row's reference B_i a tile's max may go before the tile takes its own max as
+# reference: e^40 ~ 2e17 keeps every stored exponential, and products of them with the weights,
+# far inside bf16's and fp32's range.
+REFERENCE_GAP = tl.constexpr(40.0)
+
+
+@triton.jit
+def _exp_reference(tile_max, row_ref, ROW_REFERENCE: tl.constexpr):
+    """The reference m of a tile's exponentials exp(z - m), per row: the tile max (0 where the
+    tile is all -inf, so that no NaN appears); with ROW_REFERENCE, the row's reference B_i
+    unless the tile max passes it by more than REFERENCE_GAP. [BLOCK] fp32 from [BLOCK] fp32."""
+    reference = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+    if ROW_REFERENCE:
+        reference = tl.where(reference > row_ref + REFERENCE_GAP, reference, row_ref)
+    return reference
 
 
 @triton.jit
@@ -147,6 +179,7 @@ def _logit_tile_kernel(
     lse_ptr,  # [n_rows] fp32                              (mode 2)
     loss_grad_ptr,  # [n_rows] fp32                        (mode 2)
     lse_grad_ptr,  # [n_rows] fp32                         (mode 2, HAS_LSE_GRAD)
+    row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3)
     # sizes
     n_rows,
     vocab_size,
@@ -185,7 +218,9 @@ def _logit_tile_kernel(
     A tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
     then bias, scale and softcap. Mode 0 writes the tile statistics and, from the tile that
     holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
-    (lse known) stores the gradient with respect to the raw logits. Tile ids put row
+    (lse known) stores the gradient with respect to the raw logits; mode 3 stores
+    ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
+    exponentials taken relative to that reference (see ``_tile_reference``). Tile ids put row
     blocks fastest, so the programs running together share one weight tile in L2 while
     the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
@@ -209,7 +244,7 @@ def _logit_tile_kernel(
         targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
         is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
 
-        if MODE == 2:
+        if MODE == MODE_GRAD_LOGITS:
             lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
             loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
             lse_grad = loss_grad
@@ -224,9 +259,11 @@ def _logit_tile_kernel(
         else:
             # ---- tile statistics ----------------------------------------------------------
             tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
-            # A row whose tile is all -inf (masked vocabulary) keeps s = 0 and no NaN.
-            safe_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-            tile_out = logits - safe_max[:, None]  # z - m <= 0
+            row_ref = tile_max
+            if MODE == MODE_STATS_AND_EXP:
+                row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
+            reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=MODE == MODE_STATS_AND_EXP)
+            tile_out = logits - reference[:, None]  # z - m (<= 0 unless m is the row's reference)
             exp_shifted = tl.exp(tile_out)
             sum_exp = tl.sum(exp_shifted, axis=1)
             stat_offs = offs_n64 * num_tiles + pid_v
@@ -244,8 +281,11 @@ def _logit_tile_kernel(
             target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
             has_target = (targets >= pid_v * BLOCK_V) & (targets < tl.minimum(pid_v * BLOCK_V + BLOCK_V, vocab_size))
             tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
+            if MODE == MODE_STATS_AND_EXP:
+                loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+                tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
 
-        if MODE != 0:
+        if MODE != MODE_STATS:
             if TMA_STORE:  # through shared memory by the copy engine, clipped at the edges
                 out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile_out.to(out_ptr.dtype))
             else:
@@ -267,16 +307,19 @@ def _combine_tiles_kernel(
     row_entropy_ptr,  # [n_rows] fp32 out, entropy term relative to row_max (RETURN_METRICS)
     row_argmax_ptr,  # [n_rows] int64 out (RETURN_METRICS)
     row_logit_sum_ptr,  # [n_rows] fp32 out (HAS_SMOOTHING)
+    row_ref_ptr,  # [n_rows] fp32 reference B of the tiles' sums (ROW_REFERENCE)
     # sizes
     n_rows,
     num_tiles,
     # meta-parameters
     RETURN_METRICS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    ROW_REFERENCE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Merges the per-tile statistics of each row, in tile order (deterministic)."""
+    """Merges the per-tile statistics of each row, in tile order (deterministic). The tiles'
+    sums are relative to their tile max, or with ROW_REFERENCE to ``_exp_reference``'s."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = offs_r < n_rows
     base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
@@ -291,6 +334,9 @@ def _combine_tiles_kernel(
         running_max = tl.maximum(running_max, tile_max)
     row_max = tl.max(running_max, axis=1)  # [BLOCK_R]
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    row_ref = row_max
+    if ROW_REFERENCE:
+        row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
 
     sum_exp = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
     entropy_term = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
@@ -303,11 +349,12 @@ def _combine_tiles_kernel(
         tile_max = tl.load(tile_max_ptr + ptrs, mask=mask, other=float("-inf"))
         tile_sum = tl.load(tile_sum_exp_ptr + ptrs, mask=mask, other=0.0)
         live = tile_max > float("-inf")  # fully masked tiles contribute nothing
-        weight = tl.where(live, tl.exp(tile_max - safe_max[:, None]), 0.0)
+        reference = _exp_reference(tile_max, row_ref[:, None], ROW_REFERENCE)
+        weight = tl.where(live, tl.exp(reference - safe_max[:, None]), 0.0)
         sum_exp += weight * tile_sum
         if RETURN_METRICS:
             tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
-            gap = tl.where(live, safe_max[:, None] - tile_max, 0.0)
+            gap = tl.where(live, safe_max[:, None] - reference, 0.0)
             entropy_term += weight * (tile_entropy + tile_sum * gap)
             tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=2147483647)
             at_max = mask & (tile_max == row_max[:, None])
@@ -450,6 +497,133 @@ def _grad_from_shifted_kernel(
     if HAS_BIAS:
         acc = tl.load(bias_grad_ptr + offs_v, mask=col_mask, other=0.0)
         tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _row_factors_kernel(
+    # pointers
+    buffer_ptr,  # [n_rows, V] in: exp(z - tile reference) (mode 3), out: E' (in place)
+    tile_max_ptr,  # [n_rows, num_tiles] fp32
+    row_max_ptr,  # [n_rows] fp32, the max over this weight's vocabulary
+    row_ref_ptr,  # [n_rows] fp32 reference B the logit kernel was given
+    lse_ptr,  # [n_rows] fp32
+    loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
+    targets_ptr,  # [n_rows] int, columns of this weight (out of range: no target here)
+    row_factor_ptr,  # [n_rows] fp32 out: r
+    # sizes and strides
+    n_rows,
+    vocab_size,
+    stride_buf_n,
+    # scalars
+    logit_scale,
+    # meta-parameters
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Makes the stored exponentials of a chunk the factored gradient: G = diag(r) E'.
+
+    A row's final reference R is its B, or its max where a tile passed B by more than
+    REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
+    Then r = s g exp(R - lse), and exp(lse - R) is taken off at the target column, so that
+    r E'_it = s g (p_t - 1). BLOCK_V must be the logit kernel's tile width.
+    """
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = offs_r < n_rows
+    offs_r64 = offs_r.to(tl.int64)
+    row_max = tl.load(row_max_ptr + offs_r, mask=row_mask, other=0.0)
+    row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
+    lse = tl.load(lse_ptr + offs_r, mask=row_mask, other=0.0)
+    loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
+    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
+    moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
+    reference = tl.where(moved, row_max, row_ref)
+    has_grad = loss_grad != 0.0
+    factor = tl.where(has_grad, logit_scale * loss_grad * tl.exp(reference - lse), 0.0)
+    tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
+
+    if tl.max(moved.to(tl.int32), axis=0) > 0:
+        num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+        for tile in range(0, num_tiles):
+            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            mask = moved[:, None] & (offs_v < vocab_size)[None, :]
+            tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
+            rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
+            ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
+            values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the target entries below are read after their rescaled store
+
+    at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
+    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
+    value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
+    value = value - tl.exp(lse - reference)
+    tl.store(target_ptrs, value.to(buffer_ptr.dtype.element_ty), mask=at_target)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _picked_logit_kernel(
+    hidden_ptr,  # [n_rows, H]
+    weight_ptr,  # [V, H]
+    targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
+    out_ptr,  # [n_rows] fp32 out: s * hidden_i . weight_c
+    n_rows,
+    vocab_size,
+    hidden_size,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    logit_scale,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One logit per row, at its target column (column 0 where the target is not a column of
+    this weight): the reference B of the factored gradient, a lower bound of the row's max that
+    is close to it wherever the target is not extremely unlikely. Bias-free, unsoftcapped."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = offs_r < n_rows
+    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
+    columns = tl.where((targets >= 0) & (targets < vocab_size), targets, 0).to(tl.int64)
+    acc = tl.zeros((BLOCK_R, BLOCK_H), tl.float32)
+    for k in range(0, hidden_size, BLOCK_H):
+        offs_h = k + tl.arange(0, BLOCK_H)
+        mask = row_mask[:, None] & (offs_h < hidden_size)[None, :]
+        h_ptrs = hidden_ptr + offs_r.to(tl.int64)[:, None] * stride_hn + offs_h[None, :] * stride_hk
+        w_ptrs = weight_ptr + columns[:, None] * stride_wv + offs_h[None, :] * stride_wk
+        h = tl.load(h_ptrs, mask=mask, other=0.0)
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+        acc += h.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + offs_r, logit_scale * tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _scale_rows_kernel(
+    src_ptr,  # [n_rows, n_cols] any float dtype, any strides
+    factor_ptr,  # [n_rows] fp32
+    dst_ptr,  # [*, n_cols] out, unit column stride: row i of the result goes to row dst_rows[i] (or i)
+    dst_rows_ptr,  # [n_rows] int64                   (HAS_DST_ROWS)
+    n_rows,
+    n_cols,
+    stride_src_row,
+    stride_src_col,
+    stride_dst,
+    HAS_DST_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dst[dst_rows[i]] = factor[i] * src[i], computed in fp32 and rounded once to dst's dtype."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = offs_r < n_rows
+    mask = row_mask[:, None] & (offs_c < n_cols)[None, :]
+    factor = tl.load(factor_ptr + offs_r, mask=row_mask, other=0.0)
+    src_ptrs = src_ptr + offs_r.to(tl.int64)[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
+    src = tl.load(src_ptrs, mask=mask, other=0.0)
+    dst_rows = offs_r.to(tl.int64)
+    if HAS_DST_ROWS:
+        dst_rows = tl.load(dst_rows_ptr + offs_r, mask=row_mask, other=0)
+    value = src.to(tl.float32) * factor[:, None]
+    tl.store(dst_ptr + dst_rows[:, None] * stride_dst + offs_c[None, :], value.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

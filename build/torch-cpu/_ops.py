@@ -42,16 +42,19 @@ def forward_op(
     ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
     z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
     reduction: str, return_metrics: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
+    lse_of_all_rows: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias); the
     gradients are computed in the same sweep (for grad_output 1) where asked, else empty.
     With a ``group_name``, weight and bias are the rows [vocab_start, vocab_start + V) of a
-    vocabulary of ``total_vocab_size`` sharded over that group's ranks."""
+    vocabulary of ``total_vocab_size`` sharded over that group's ranks. The lse of rows with
+    an ignored target is 0 unless ``lse_of_all_rows``."""
     opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
                     return_metrics)
     with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
         res = _chunked.forward(hidden, weight, targets, bias, opts, reduction,
-                               (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size))
+                               (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size),
+                               all_rows=lse_of_all_rows)
     return (
         res.loss, res.lse, res.num_correct, res.entropy_sum,
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
@@ -60,7 +63,8 @@ def forward_op(
 
 @forward_op.register_fake
 def _(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-      total_vocab_size, group_name, vocab_start, reduction, return_metrics, grad_hidden, grad_weight, grad_bias):
+      total_vocab_size, group_name, vocab_start, reduction, return_metrics, grad_hidden, grad_weight, grad_bias,
+      lse_of_all_rows=False):
     n_rows = hidden.shape[0]
     f32 = dict(device=hidden.device, dtype=torch.float32)
     return (
@@ -119,7 +123,7 @@ _EAGER, _RECOMPUTE = 0, 1
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias) = inputs
+     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias, _) = inputs
     loss, lse, num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = output
     ctx.mark_non_differentiable(num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias)
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
@@ -140,7 +144,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
     if loss_grad is None and lse_grad is None:
-        return (None,) * 17
+        return (None,) * 18
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if ctx.reduction != "none" else lse_grad.shape)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
@@ -164,7 +168,7 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
             lse_grad = lse_grad.float().contiguous()
         grads = backward_op(hidden, weight, targets, bias, lse, row_grad, lse_grad, *ctx.options, *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * 13)
+    return grads[0], grads[1], None, grads[2], *([None] * 14)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -196,6 +196,7 @@ def fused_linear_cross_entropy(
         float(label_smoothing), float(z_loss_scale), total_vocab_size, group_name, int(vocab_start or 0),
         reduction, bool(return_metrics),
         *(in_forward and n for n in needs),
+        bool(return_lse),
     )
     if target_check is not None:
         _finish_target_check(target_check, targets, total_vocab_size, ignore_index)

@@ -53,8 +53,9 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
     if element_size == 4:
         return [_config(128, 32, 8, 3), _config(64, 32, 4, 3)]
     if block_v >= 256:
+        # 4 persistent stages fit only without the buffer's TMA store (the forward's sweep).
         return [_config(128, 64, 8, 3), _config(128, 64, 8, 3, True), _config(128, 64, 8, 4),
-                _config(64, 64, 4, 4)]
+                _config(128, 64, 8, 4, True), _config(64, 64, 4, 4)]
     return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(128, 64, 8, 4, True), _config(256, 64, 8, 3)]
 
 
@@ -170,7 +171,7 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
-                        lse=None, loss_grad=None, lse_grad=None):
+                        lse=None, loss_grad=None, lse_grad=None, row_ref=None):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)
@@ -200,11 +201,12 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         lse if lse is not None else dummy,
         loss_grad if loss_grad is not None else dummy,
         lse_grad if lse_grad is not None else dummy,
+        row_ref if row_ref is not None else dummy,
         n_rows, vocab_size, hidden_size,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
         **_scalars(opts, vocab_size),
-        MODE=mode,
+        MODE=int(mode),
         **_flags(opts, bias),
         HAS_LSE_GRAD=lse_grad is not None,
         RETURN_METRICS=opts.return_metrics,
@@ -217,9 +219,11 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
     )
 
 
-def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None):
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
-    ``z - tile_max`` there. Returns the stats and the state that ``grad_from_stored`` needs."""
+    ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
+    exponentials that ``row_factors`` turns into a factored gradient. Returns the stats and
+    the state that ``grad_from_stored`` / ``row_factors`` need."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
@@ -234,9 +238,12 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         tile_array(opts.return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
     target_logit = torch.full((n_rows,), float("nan"), **f32)
-    mode = K.MODE_STATS if shifted_out is None else K.MODE_STATS_AND_SHIFTED
+    if shifted_out is None:
+        mode = K.MODE_STATS
+    else:
+        mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, out=shifted_out,
-                        tile_stats=tile_stats, target_logit=target_logit)
+                        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref)
 
     stats = RowStats(
         row_max=torch.empty(n_rows, **f32),
@@ -253,9 +260,11 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         stats.entropy_term if opts.return_metrics else _dummy(device),
         stats.argmax if opts.return_metrics else _dummy(device),
         stats.logit_sum if opts.has_smoothing else _dummy(device),
+        row_ref if row_ref is not None else _dummy(device),
         n_rows, num_tiles,
         RETURN_METRICS=opts.return_metrics,
         HAS_SMOOTHING=opts.has_smoothing,
+        ROW_REFERENCE=row_ref is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
     )
@@ -314,6 +323,61 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
         num_warps=8,
     )
     return buffer
+
+
+def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
+    """Whether a training chunk can keep exponentials and factor its gradient (``row_factors``):
+    bf16 or fp32 (fp16's range cannot hold them), and no bias, softcap, label smoothing or
+    z-loss (whose gradients are not one factor per row times the exponentials)."""
+    if env_int("FLCE_FACTORED", 1) == 0:
+        return False
+    return (dtype in (torch.bfloat16, torch.float32) and not has_bias and not opts.has_softcap
+            and not opts.has_smoothing and not opts.has_z_loss)
+
+
+def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions) -> torch.Tensor:
+    """B [rows] fp32: each row's logit at its target (column 0 where the target is ignored or
+    in another rank's slice), the reference that ``row_stats`` stores exponentials against.
+    A lower bound of the row's max; a row whose max passes it by more than the gap (a target
+    of probability below e^-40) is moved to its max by ``row_factors``."""
+    n_rows, hidden_size = hidden.shape
+    out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
+    block_r = 16
+    K._picked_logit_kernel[(triton.cdiv(n_rows, block_r),)](
+        hidden, weight, targets, out, n_rows, weight.shape[0], hidden_size,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opts.logit_scale),
+        BLOCK_R=block_r, BLOCK_H=32 if interpreting() else 128,
+    )
+    return out
+
+
+def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None):
+    """dst[dst_rows] = factor[:, None] * src (rounded once to dst's dtype); dst_rows: int64
+    [rows] indices into dst, or None for dst's first rows. src [rows, C] any strides, dst [*, C]
+    with unit column stride."""
+    n_rows, n_cols = src.shape
+    block_r, block_c = (16, 32) if interpreting() else (16, 256)
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    K._scale_rows_kernel[grid](
+        src, factor, dst, dst_rows if dst_rows is not None else _dummy(src.device),
+        n_rows, n_cols, src.stride(0), src.stride(1), dst.stride(0),
+        HAS_DST_ROWS=dst_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+    )
+    return dst
+
+
+def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: LossOptions) -> torch.Tensor:
+    """Turns the exponentials stored by ``row_stats(row_ref=...)`` into E' in place and returns
+    r [rows] fp32 such that the chunk's grad logits are diag(r) E' (see ``_kernels``)."""
+    n_rows, vocab_size = buffer.shape
+    row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
+    block_r = 16 if interpreting() else 64
+    K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
+        buffer, state, row_max, row_ref, lse, loss_grad, targets, row_factor,
+        n_rows, vocab_size, buffer.stride(0), float(opts.logit_scale),
+        BLOCK_R=block_r, BLOCK_V=tile_width(buffer.dtype), num_warps=4,
+    )
+    return row_factor
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc):

@@ -38,8 +38,9 @@ def _safe(row_max: torch.Tensor) -> torch.Tensor:
     return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
 
 
-def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None):
-    """Softmax statistics of a chunk of rows; with ``shifted_out`` also keeps the logits."""
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None):
+    """Softmax statistics of a chunk of rows; with ``shifted_out`` also keeps the logits.
+    (``row_ref`` and ``loss_grad`` belong to the factored gradient, which this backend never takes.)"""
     logits = _logits(hidden, weight, bias, opts)
     if shifted_out is not None:
         shifted_out.copy_(logits)
@@ -106,6 +107,11 @@ def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptio
     if lse_grad is not None:
         keep = keep | (lse_grad != 0)
     return torch.where(keep[:, None], grad, torch.zeros_like(grad))
+
+
+def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
+    """Never here: this backend's buffer holds fp32 logits, turned into grad logits."""
+    return False
 
 
 def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
