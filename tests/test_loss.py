@@ -254,6 +254,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_and_load_paths(flce, monkeypatch, layout, tma):
     monkeypatch.setenv("FLCE_TMA", tma)
+    # Rows taken in place (skipping ignored rows gathers them into contiguous copies).
+    monkeypatch.setenv("FLCE_SKIP_IGNORED", "0")
     decisions = _spy_tma(monkeypatch, flce)
     dtype = torch.float32
     hidden, weight = _layout(layout, 21, H, V, dtype, seed=len(layout))
@@ -428,8 +430,8 @@ def _count_calls(monkeypatch, module, name):
 
 @pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])
 def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch, dtype):
-    """A training step without bias, softcap, smoothing or z-loss: after the first chunk the
-    logit sweep sees only the rows with a loss, and the gradient is factored, also for rows whose max passes their
+    """A training step without bias, softcap, smoothing or z-loss: the logit sweep sees only
+    the rows with a loss, and the gradient is factored, also for rows whose max passes their
     reference (the target's logit) by more than the gap; results as the reference."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
     backend = submodule(flce, "_triton_backend")
@@ -452,12 +454,32 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     loss.backward()
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
 
-    # The first chunk (8 rows) is swept whole; after it, only the rows with a loss.
-    later_valid = int((targets[8:] != -100).sum())
-    assert sum(swept_rows) == 8 + later_valid < 37
+    num_valid = int((targets != -100).sum())
+    assert sum(swept_rows) == num_valid < 37
     assert len(moved_rows) == len(swept_rows) and sum(moved_rows) > 0
     assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
     check_grads((hidden, weight, None), ref, dtype)
+
+
+@pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])
+@pytest.mark.parametrize("mean", [True, False])
+def test_order_rows_is_a_stable_partition(flce, backend_name, mean):
+    """order_rows puts the rows with a loss first, each group in row order, with the ordered
+    targets, their count and d loss / d loss_i (1, or 1 / count for a mean; 0 after the count)."""
+    gen = torch.Generator().manual_seed(5)
+    targets = torch.randint(0, 50, (1000,), generator=gen)
+    targets[torch.rand(1000, generator=gen) < 0.3] = 7  # ignore_index 7, also a valid class id elsewhere
+    device = DEVICE if backend_name == "_triton_backend" else "cpu"
+    order, ordered, count, loss_grad = submodule(flce, backend_name).order_rows(targets.to(device), 7, mean)
+    has_loss = targets != 7
+    expected = torch.cat([torch.nonzero(has_loss)[:, 0], torch.nonzero(~has_loss)[:, 0]])
+    assert torch.equal(order.cpu(), expected)
+    assert torch.equal(ordered.cpu(), targets[expected])
+    num = int(has_loss.sum())
+    assert int(count) == num
+    row_grad = 1.0 / num if mean else 1.0
+    expected_grad = torch.where(torch.arange(1000) < num, row_grad, 0.0)
+    torch.testing.assert_close(loss_grad.cpu(), expected_grad, rtol=1e-6, atol=0)
 
 
 def test_device_tensors_use_the_triton_backend(flce, monkeypatch):

@@ -79,37 +79,31 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _RowOrder:
-    """Which rows are computed, in which order: the first chunk's rows [0, first) in place
-    (ignored rows among them computed and masked), then the later rows with a loss first
-    (a stable permutation, ``order`` int64 [N]), up to their count.
+    """The rows with a loss first (``order`` int64 [N], a stable partition), so that the
+    chunks stop at their count instead of computing and masking ignored rows, which add no
+    loss, gradient or metric. The host reads the count only once the first chunk's work is
+    queued (``rows_to_compute``): the GPU never waits for the read. Also holds the ordered
+    targets, the count on the device and each ordered row's d loss / d loss_i."""
 
-    Ignored rows add no loss, gradient or metric, so the chunks stop at that count instead of
-    computing and masking them. The host reads the count only once the first chunk's work is
-    queued (``rows_to_compute``): the GPU never waits for the read. Rows [0, in_place) of the
-    order are the identity, taken as slices rather than gathered."""
-
-    def __init__(self, targets: torch.Tensor, ignore_index: int, first: int):
-        n_rows = targets.shape[0]
-        has_loss = targets[first:] != ignore_index
-        later = torch.argsort(has_loss.logical_not().to(torch.uint8), stable=True) + first
-        self.order = torch.cat([torch.arange(first, device=targets.device), later])
-        self.n_rows, self.first, self.in_place = n_rows, first, first
-        count = has_loss.sum()
+    def __init__(self, backend, targets: torch.Tensor, ignore_index: int, mean: bool):
+        self.order, self.targets, self.count, self.loss_grad = backend.order_rows(targets, ignore_index, mean)
+        self.n_rows = targets.shape[0]
+        self.in_place = 0  # rows [0, in_place) of the order are known to be the identity
         self._ready = None
         if targets.is_cuda:
-            self._count = torch.empty((), dtype=torch.int64, pin_memory=True)
-            self._count.copy_(count, non_blocking=True)
+            self._count = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self._count.copy_(self.count, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(targets.device))
         else:
-            self._count = count
+            self._count = self.count
 
     def rows_to_compute(self) -> int:
-        """How many rows of the order to compute (waits for the count)."""
+        """How many rows of the order have a loss (waits for the count)."""
         if self._ready is not None:
             self._ready.synchronize()
-        total = self.first + int(self._count)
-        if total == self.n_rows:  # every later row has a loss: the order is the identity
+        total = int(self._count)
+        if total == self.n_rows:  # no ignored row: the order is the identity
             self.in_place = total
         return total
 
@@ -124,15 +118,15 @@ class _RowOrder:
         return torch.empty_like(values).index_copy_(0, self.order, values)
 
 
-def _row_order(targets: torch.Tensor, ignore_index: int, first: int, all_rows: bool) -> _RowOrder | None:
+def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str, all_rows: bool):
     """A ``_RowOrder``, or None (compute every row in place) when every row's lse is wanted,
-    when the first chunk holds every row, while a CUDA graph is captured (the host cannot
-    read the count then), or with FLCE_SKIP_IGNORED=0."""
-    if all_rows or first >= targets.shape[0] or env_int("FLCE_SKIP_IGNORED", 1) == 0:
+    while a CUDA graph is captured (the host cannot read the count then), or with
+    FLCE_SKIP_IGNORED=0."""
+    if all_rows or targets.numel() == 0 or env_int("FLCE_SKIP_IGNORED", 1) == 0:
         return None
     if targets.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    return _RowOrder(targets, ignore_index, first)
+    return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean")
 
 
 def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None):
@@ -143,7 +137,7 @@ def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None):
     if first == 0:
         return
     yield 0, first
-    total = n_rows if row_order is None else row_order.rows_to_compute()
+    total = n_rows if row_order is None else max(first, row_order.rows_to_compute())
     rest = total - first
     if rest > 0:
         per_chunk = _cdiv(rest, _cdiv(rest, chunk))
@@ -269,9 +263,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     f32 = dict(device=device, dtype=torch.float32)
     training = any(grads) and n_rows > 0
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
-    row_order = _row_order(targets, opts.ignore_index, min(chunk, n_rows), all_rows)
+    row_order = _row_order(backend, targets, opts, reduction, all_rows)
     if row_order is not None:
-        targets = targets.index_select(0, row_order.order)
+        targets = row_order.targets
     # Per-row results in the computed order; rows never computed (ignored) keep zeros.
     results = RowResults(
         lse=torch.zeros(n_rows, **f32),
@@ -285,7 +279,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
-        loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
+        if row_order is None:
+            loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
+        else:
+            loss_grad = row_order.loss_grad
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.
@@ -331,7 +328,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     else:
         loss = results.loss.sum()
         if reduction == "mean":
-            loss = loss / (targets != opts.ignore_index).sum()
+            loss = loss / ((targets != opts.ignore_index).sum() if row_order is None else row_order.count[0])
     if opts.return_metrics:
         num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:

@@ -109,6 +109,16 @@ def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptio
     return torch.where(keep[:, None], grad, torch.zeros_like(grad))
 
 
+def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
+    """As ``_triton_backend.order_rows``: (order, targets[order], count [1], loss_grad)."""
+    has_loss = targets != ignore_index
+    order = torch.argsort(has_loss.logical_not().to(torch.uint8), stable=True)
+    count = has_loss.sum().reshape(1)
+    row_grad = 1.0 / count.float() if mean else torch.ones(1, device=targets.device)
+    loss_grad = torch.where(torch.arange(targets.shape[0], device=targets.device) < count, row_grad, 0.0)
+    return order, targets[order].long(), count, loss_grad
+
+
 def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
     """Never here: this backend's buffer holds fp32 logits, turned into grad logits."""
     return False

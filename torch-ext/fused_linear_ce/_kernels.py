@@ -560,6 +560,49 @@ def _row_factors_kernel(
     tl.store(target_ptrs, value.to(buffer_ptr.dtype.element_ty), mask=at_target)
 
 
+@triton.jit(do_not_specialize=["n_rows", "ignore_index"])
+def _order_rows_kernel(
+    targets_ptr,  # [n_rows] int
+    order_ptr,  # [n_rows] int64 out: the rows with a loss first, each group in row order
+    ordered_targets_ptr,  # [n_rows] int64 out: targets[order]
+    count_ptr,  # [1] int64 out: how many rows have a loss
+    loss_grad_ptr,  # [n_rows] fp32 out: d loss / d loss_i of the ordered rows (1 / count for a mean)
+    n_rows,
+    ignore_index,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A stable partition of the rows, those with a loss first, in one program (a launch
+    instead of a sort's several: it sits before the first logit sweep)."""
+    count = 0
+    for start in range(0, n_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_rows
+        targets = tl.load(targets_ptr + offs, mask=mask, other=0)
+        keep = mask & (targets != ignore_index)
+        position = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(order_ptr + position, offs.to(tl.int64), mask=keep)
+        tl.store(ordered_targets_ptr + position, targets.to(tl.int64), mask=keep)
+        count += tl.sum(keep.to(tl.int32), axis=0)
+    num_with_loss = count
+    for start in range(0, n_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_rows
+        targets = tl.load(targets_ptr + offs, mask=mask, other=0)
+        drop = mask & (targets == ignore_index)
+        position = count + tl.cumsum(drop.to(tl.int32), axis=0) - 1
+        tl.store(order_ptr + position, offs.to(tl.int64), mask=drop)
+        tl.store(ordered_targets_ptr + position, targets.to(tl.int64), mask=drop)
+        count += tl.sum(drop.to(tl.int32), axis=0)
+    tl.store(count_ptr, num_with_loss.to(tl.int64))
+    row_grad = 1.0
+    if MEAN:
+        row_grad = 1.0 / num_with_loss.to(tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(loss_grad_ptr + offs, tl.where(offs < num_with_loss, row_grad, 0.0), mask=offs < n_rows)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _picked_logit_kernel(
     hidden_ptr,  # [n_rows, H]

@@ -335,6 +335,20 @@ def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> 
             and not opts.has_smoothing and not opts.has_z_loss)
 
 
+def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
+    """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
+    int64 [1], d loss / d loss_i [N] fp32 of the ordered rows: 1, or 1 / count for a mean)."""
+    n_rows = targets.shape[0]
+    device = targets.device
+    order = torch.empty(n_rows, device=device, dtype=torch.int64)
+    ordered_targets = torch.empty(n_rows, device=device, dtype=torch.int64)
+    count = torch.empty(1, device=device, dtype=torch.int64)
+    loss_grad = torch.empty(n_rows, device=device, dtype=torch.float32)
+    K._order_rows_kernel[(1,)](targets, order, ordered_targets, count, loss_grad, n_rows, int(ignore_index),
+                               MEAN=mean, BLOCK=64 if interpreting() else 1024)
+    return order, ordered_targets, count, loss_grad
+
+
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions) -> torch.Tensor:
     """B [rows] fp32: each row's logit at its target (column 0 where the target is ignored or
     in another rank's slice), the reference that ``row_stats`` stores exponentials against.
