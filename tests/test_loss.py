@@ -376,6 +376,7 @@ def test_argmax_ties_take_the_first_index(flce, monkeypatch, dtype):
     assert 0 < expected < n
     _, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets.to(DEVICE), return_metrics=True)
     assert int(metrics["num_correct_tokens"]) == expected
+    assert torch.equal(metrics["predictions"].cpu(), first)
 
 
 def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
@@ -396,6 +397,7 @@ def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
     ref = reference(hidden, weight, targets, reduction="none")
     assert ref.logits.argmax(-1)[:3].tolist() == [50, 50, 2099]
     assert int(metrics["num_correct_tokens"]) == ref.num_correct == 2
+    assert torch.equal(metrics["predictions"].cpu(), ref.predictions)
     assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
     assert_rel(metrics["entropy_sum"], ref.entropy_sum, tolerance(torch.float32, "loss"), "entropy_sum")
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
-from ._ops import FunctorchLoss, forward_op
+from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
 from ._options import accumulation_dtype
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -92,6 +92,16 @@ def _autocast(hidden, weight, bias):
 def _under_functorch() -> bool:
     """True inside a torch.func transform (grad, vjp, jacrev, vmap, ...)."""
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _check_no_dual(*tensors) -> None:
+    """Forward-mode AD (torch.autograd.forward_ad) is not supported: refused rather than the
+    tangents silently dropped."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(FORWARD_AD_ERROR)
 
 
 def _targets_checked(targets: Tensor) -> bool:
@@ -214,6 +224,7 @@ def fused_linear_cross_entropy(
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_inputs(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, label_smoothing,
                   z_loss_scale)
+    _check_no_dual(hidden, weight, bias)
     vocab_size, hidden_size = weight.shape
     functorch = _under_functorch()
     group_name, total_vocab_size = None, vocab_size

@@ -152,10 +152,9 @@ _EAGER, _RECOMPUTE = 0, 1
 _NUM_INPUTS = 18  # forward_op's arguments
 
 DOUBLE_BACKWARD_ERROR = (
-    "fused_linear_cross_entropy does not support double backward: its gradients are not differentiable "
-    "(create_graph=True followed by a backward through them, e.g. a gradient penalty, a Hessian-vector "
-    "product or torch.func.grad of a grad). Compute such terms from materialised logits, with "
-    "F.linear + F.cross_entropy."
+    "fused_linear_cross_entropy does not support double backward: its backward is not differentiable, so "
+    "a backward with create_graph=True (a gradient penalty, a Hessian-vector product) or torch.func.grad "
+    "of a grad is refused. Compute such terms from materialised logits, with F.linear + F.cross_entropy."
 )
 FORWARD_AD_ERROR = (
     "fused_linear_cross_entropy does not support forward-mode AD (torch.func.jvp, jacfwd, hessian, "
@@ -164,13 +163,14 @@ FORWARD_AD_ERROR = (
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """Passes gradients through unchanged; differentiating them again raises."""
+    """Passes gradients through unchanged, as functions of the loss's inputs (the anchors) whose
+    derivative raises."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(anchor, *grads):
-        return tuple(g.view_as(g) for g in grads)
+    def forward(num_anchors, *anchors_and_grads):
+        return tuple(g.view_as(g) for g in anchors_and_grads[num_anchors:])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -181,19 +181,16 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
-def _first_order_only(grads: list, anchors=()) -> list:
-    """The gradients, unchanged when the backward runs without a graph (the usual case); with one
-    (create_graph=True, torch.func transforms), made to raise if differentiated again. Without
-    this autograd would take them for constants, and a gradient penalty would silently lose its
-    second term. ``anchors``: tensors requiring grad at the current level (needed under
-    torch.func, where a new leaf cannot be made)."""
+def _first_order_only(grads: list, anchors) -> list:
+    """The gradients under torch.func, where the backward always runs with a graph (as with
+    create_graph=True): made to depend on the loss's inputs ``anchors`` through a function whose
+    derivative raises, so that a grad of the grad fails instead of taking them for constants
+    (which would silently drop, say, a gradient penalty's second term)."""
     if not torch.is_grad_enabled():
         return grads
-    anchor = next((a for a in anchors if a is not None and a.requires_grad), None)
-    if anchor is None:
-        anchor = torch.empty(0, requires_grad=True)
+    anchors = [a for a in anchors if a is not None]
     present = [g for g in grads if g is not None]
-    wrapped = iter(_FirstOrderOnly.apply(anchor, *present))
+    wrapped = iter(_FirstOrderOnly.apply(len(anchors), *anchors, *present))
     return [None if g is None else next(wrapped) for g in grads]
 
 
@@ -222,14 +219,6 @@ def _check_versions(watched: list) -> None:
                 f"operation: [{description}] is at version {owner._version}; expected version {version} "
                 "instead. fused_linear_cross_entropy computed its gradients from the values its forward saw."
             )
-
-
-def _save_for_recompute(ctx, hidden, weight, targets, bias, class_weight, lse) -> None:
-    # The bias as the forward saw it: PyTorch's F.linear does not save its bias, so changing it in
-    # place before the backward neither raises nor changes the gradients there; hidden, weight,
-    # targets and class_weight are saved as PyTorch saves them (an in-place change raises).
-    ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), class_weight,
-                          lse)
 
 
 def _recomputed_grads(saved, options: tuple, reduction: str, loss_grad, lse_grad, want) -> list:
@@ -266,33 +255,37 @@ def _setup_context(ctx, inputs, output):
         # What PyTorch's F.linear + F.cross_entropy would save (not the bias): checked in the backward.
         ctx.watched = _forward_versions(hidden, weight, targets, class_weight)
     else:
-        _save_for_recompute(ctx, hidden, weight, targets, bias, class_weight, lse)
+        # The bias as the forward saw it: F.linear does not save its bias, so changing it in place
+        # before the backward neither raises nor changes the gradients there; hidden, weight,
+        # targets and class_weight are saved as PyTorch saves them (an in-place change raises).
+        ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(),
+                              class_weight, lse)
 
 
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
     if loss_grad is None and lse_grad is None:
         return (None,) * _NUM_INPUTS
+    if torch.is_grad_enabled():  # create_graph=True: the gradients would be taken for constants
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
-    with torch.no_grad():  # with create_graph, see _first_order_only
-        if ctx.path == _EAGER:
-            _check_versions(ctx.watched)
-            # The gradients were computed in the forward for grad_output = 1: scale them in
-            # place (no copy), which can only be done once.
-            if ctx.consumed:
-                raise RuntimeError(
-                    "fused_linear_cross_entropy computed its gradients in the forward and they were "
-                    "already used: backward through it twice (retain_graph=True) is not supported."
-                )
-            ctx.consumed = True
-            grads = list(ctx.saved_tensors)
-            for g in grads:
-                if g.numel():
-                    scale_op(g, loss_grad)
-            grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-        else:
-            grads = _recomputed_grads(ctx.saved_tensors, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
-    grads = _first_order_only(grads)
+    if ctx.path == _EAGER:
+        _check_versions(ctx.watched)
+        # The gradients were computed in the forward for grad_output = 1: scale them in
+        # place (no copy), which can only be done once.
+        if ctx.consumed:
+            raise RuntimeError(
+                "fused_linear_cross_entropy computed its gradients in the forward and they were "
+                "already used: backward through it twice (retain_graph=True) is not supported."
+            )
+        ctx.consumed = True
+        grads = list(ctx.saved_tensors)
+        for g in grads:
+            if g.numel():
+                scale_op(g, loss_grad)
+        grads = [g if w else None for g, w in zip(grads, want, strict=True)]
+    else:
+        grads = _recomputed_grads(ctx.saved_tensors, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
     return grads[0], grads[1], None, grads[2], *([None] * (_NUM_INPUTS - 4))
 
 
@@ -318,7 +311,7 @@ class FunctorchLoss(torch.autograd.Function):
         hidden, weight, targets, bias, class_weight, options, reduction, _ = inputs
         ctx.mark_non_differentiable(*output[2:])
         ctx.options, ctx.reduction, ctx.has_bias = options, reduction, bias is not None
-        _save_for_recompute(ctx, hidden, weight, targets, bias, class_weight, output[1])
+        ctx.save_for_backward(hidden, weight, targets, bias, class_weight, output[1])
 
     @staticmethod
     def backward(ctx, loss_grad, lse_grad, *unused):
@@ -327,7 +320,7 @@ class FunctorchLoss(torch.autograd.Function):
         saved = ctx.saved_tensors
         with torch.no_grad():
             grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
-        grads = _first_order_only(grads, anchors=saved[:2])
+        grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
         return grads[0], grads[1], None, grads[2], None, None, None, None
 
     @staticmethod
