@@ -63,7 +63,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
-    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V",
+    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
 ]
 _autotuned = {}
 
@@ -240,7 +240,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
     device = hidden.device
     acc_dtype = accumulation_dtype(hidden.dtype)
-    f32 = dict(device=device, dtype=acc_dtype)
+    f32 = dict(device=device, dtype=acc_dtype)  # float64 for float64 inputs
 
     def tile_array(enabled, dtype=acc_dtype):
         return torch.empty((n_rows, num_tiles) if enabled else (1,), device=device, dtype=dtype)

@@ -183,7 +183,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     vocab_size = weight.shape[0]
     device = hidden.device
     backend = backend_for(device)
-    f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))
+    f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     rows = RowResults(
         lse=torch.empty(n_rows, **f32),
         loss=torch.empty(n_rows, **f32),

@@ -1,6 +1,7 @@
 """The public function: argument checks, shapes, and the choice of the gradient path."""
 
 import math
+import operator
 import os
 
 import torch
@@ -16,8 +17,7 @@ _INT32 = torch.iinfo(torch.int32)
 _INT64 = torch.iinfo(torch.int64)
 
 
-def _check_inputs(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, label_smoothing,
-                  z_loss_scale):
+def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale):
     for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -46,9 +46,6 @@ def _check_inputs(hidden, weight, targets, bias, ignore_index, logit_scale, soft
     for name, value in (("weight", weight), ("targets", targets), ("bias", bias)):
         if value is not None and value.device != hidden.device:
             raise ValueError(f"{name} is on {value.device} but hidden is on {hidden.device}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not (
-            _INT64.min <= ignore_index <= _INT64.max):
-        raise ValueError(f"ignore_index must be an integer in the int64 range, got {ignore_index!r}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)):
@@ -59,6 +56,16 @@ def _check_inputs(hidden, weight, targets, bias, ignore_index, logit_scale, soft
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not (isinstance(z_loss_scale, (int, float)) and math.isfinite(z_loss_scale) and z_loss_scale >= 0):
         raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
+
+
+def _checked_ignore_index(ignore_index) -> int:
+    try:
+        value = None if isinstance(ignore_index, bool) else operator.index(ignore_index)
+    except TypeError:
+        value = None
+    if value is None or not _INT64.min <= value <= _INT64.max:
+        raise ValueError(f"ignore_index must be an integer in the int64 range, got {ignore_index!r}")
+    return value
 
 
 def _check_class_weight(class_weight, vocab_size: int, hidden: Tensor) -> None:
@@ -214,16 +221,19 @@ def fused_linear_cross_entropy(
     Gradients reach ``hidden``, ``weight`` and ``bias``. When they are needed and the
     reduction is "mean" or "sum" (without ``return_lse``), they are computed during the
     forward and only scaled by the backward, so call it under ``torch.no_grad()`` when no
-    backward will follow. The gradients are not differentiable: a second-order use (a gradient
-    penalty through ``create_graph=True``, ``torch.func.hessian``) raises a ``RuntimeError``.
+    backward will follow. The gradients are not differentiable: a backward with
+    ``create_graph=True`` (e.g. for a gradient penalty) raises a ``RuntimeError``, and so does a
+    grad of a grad under ``torch.func``. An in-place change of ``hidden``, ``weight``,
+    ``targets`` or ``class_weight`` before the backward raises there, as with ``F.linear`` +
+    ``F.cross_entropy``.
 
     Under ``torch.func`` transforms, ``grad``, ``grad_and_value``, ``vjp``, ``jacrev`` and
     ``vmap`` (and their compositions, e.g. per-sample gradients) work, with the gradients
     recomputed in the backward; forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) raises.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check_inputs(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, label_smoothing,
-                  z_loss_scale)
+    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
+    ignore_index = _checked_ignore_index(ignore_index)
     _check_no_dual(hidden, weight, bias)
     vocab_size, hidden_size = weight.shape
     functorch = _under_functorch()
