@@ -115,6 +115,20 @@ def test_float64_matches_reference(flce, path, reduction):
         assert_rel(t.grad, expected, tol, f"grad_{name}")
 
 
+def test_float64_stays_float64_under_autocast(flce, path):
+    """As F.linear's: autocast leaves float64 inputs as they are."""
+    _, device = path
+    hidden, weight, targets, _ = make_inputs(N, H, V, torch.float64, seed=6, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16 if device == "cuda" else torch.float16):
+        assert F.linear(hidden, weight).dtype == torch.float64
+        loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    assert loss.dtype == hidden.grad.dtype == torch.float64
+    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
+    assert_rel(loss, ref.loss, 1e-12, "loss")
+    assert_rel(hidden.grad, ref.grad_hidden, 1e-12, "grad_hidden")
+
+
 # ---- second order: a clear error on every path --------------------------------------------------
 # reduction / lse / class weights with smoothing pick the gradient path: computed in the forward
 # ("mean", "sum") or recomputed in the backward (the others).
@@ -178,7 +192,7 @@ def test_backward_with_create_graph_raises(flce, path, case):
 
 
 # ---- in-place changes between the forward and the backward ---------------------------------------
-def _modify(name, hidden, weight, targets, bias):
+def _modify(name, hidden, weight, targets, bias, class_weight):
     with torch.no_grad():
         if name == "hidden":
             hidden.mul_(3)
@@ -186,25 +200,29 @@ def _modify(name, hidden, weight, targets, bias):
             weight.add_(1)
         elif name == "targets":
             targets[0] = (targets[0] + 1) % V
+        elif name == "class_weight":
+            class_weight.mul_(2)
         else:
             bias.add_(1)
 
 
-@pytest.mark.parametrize("modified", ["hidden", "weight", "targets", "bias"])
+@pytest.mark.parametrize("modified", ["hidden", "weight", "targets", "class_weight", "bias"])
 @pytest.mark.parametrize("case", ["mean_in_forward", "none_recomputed", "lse_recomputed"])
 def test_in_place_change_before_backward_as_pytorch(flce, path, case, modified):
-    """The oracle is PyTorch's F.linear + F.cross_entropy on the same inputs and change: where
-    it raises its version-counter error, so does the loss; where it does not (the bias: F.linear
-    does not save it), the gradients are those of the forward-time values, as PyTorch's."""
+    """The oracle is PyTorch's F.linear + F.cross_entropy (with class weights) on the same inputs
+    and change: where it raises its version-counter error, so does the loss; where it does not
+    (the bias: F.linear does not save it), the gradients are those of the forward-time values,
+    as PyTorch's."""
     device = path[1]
     hidden, weight, targets, bias, options = _order_problem(case, device)
+    options["class_weight"] = _class_weight(V, device, torch.float32)
     loss = _loss(flce, hidden, weight, targets, bias, options)
 
     copies = [t.detach().cpu().requires_grad_() for t in (hidden, weight, bias)]
     ref_targets = targets.cpu().clone()
-    ref_loss = _reference_objective(copies[0], copies[1], ref_targets, copies[2],
-                                    {k: v.cpu() if torch.is_tensor(v) else v for k, v in options.items()})
-    _modify(modified, *copies[:2], ref_targets, copies[2])
+    ref_options = {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in options.items()}
+    ref_loss = _reference_objective(copies[0], copies[1], ref_targets, copies[2], ref_options)
+    _modify(modified, *copies[:2], ref_targets, copies[2], ref_options["class_weight"])
     try:
         ref_loss.backward()
         pytorch_raises = False
@@ -213,7 +231,7 @@ def test_in_place_change_before_backward_as_pytorch(flce, path, case, modified):
         pytorch_raises = True
     assert pytorch_raises == (modified != "bias")  # what the oracle does, stated
 
-    _modify(modified, hidden, weight, targets, bias)
+    _modify(modified, hidden, weight, targets, bias, options["class_weight"])
     if pytorch_raises:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()

@@ -84,14 +84,15 @@ def _check_class_weight(class_weight, vocab_size: int, hidden: Tensor) -> None:
 
 def _autocast(hidden, weight, bias):
     """Under torch.autocast, the inputs take the autocast dtype, as F.linear's would (the
-    loss itself is accumulated in fp32 regardless)."""
+    loss itself is accumulated in fp32 regardless); float64 ones stay, as autocast leaves them."""
     device_type = hidden.device.type if isinstance(hidden, Tensor) else "cpu"
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(t):
-        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+        eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
 
     return cast(hidden), cast(weight), cast(bias)
 
@@ -249,7 +250,7 @@ def fused_linear_cross_entropy(
         raise ValueError("vocab_start needs a process_group")
     if class_weight is not None:
         _check_class_weight(class_weight, total_vocab_size, hidden)
-        class_weight = class_weight.detach().to(accumulation_dtype(hidden.dtype)).contiguous()
+        class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
     if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
         targets = targets.long()  # no int32 target equals this ignore_index: compare in int64
     # The targets' range flag is queued first and read once the loss's work is queued behind

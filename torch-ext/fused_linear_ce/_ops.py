@@ -195,9 +195,9 @@ def _first_order_only(grads: list, anchors) -> list:
 
 
 def _forward_versions(*tensors) -> list:
-    """(weak reference, version, description) of the tensors whose forward-time values the
-    in-forward gradients are computed from, through the tensor that owns their version counter
-    (a view's base). Weak references: holding hidden would keep it alive until the backward."""
+    """(weak reference, version) of the tensors whose forward-time values the in-forward
+    gradients are computed from, through the tensor that owns their version counter (a view's
+    base). Weak references: holding hidden would keep it alive until the backward."""
     if torch.compiler.is_compiling():
         return []
     watched = []
@@ -205,19 +205,20 @@ def _forward_versions(*tensors) -> list:
         if t is None or t.is_inference():
             continue
         owner = t if t._base is None else t._base
-        watched.append((weakref.ref(owner), owner._version, f"{owner.type()} {list(owner.shape)}"))
+        watched.append((weakref.ref(owner), owner._version))
     return watched
 
 
 def _check_versions(watched: list) -> None:
     """PyTorch's error for a saved tensor modified in place between the forward and the backward."""
-    for ref, version, description in watched:
+    for ref, version in watched:
         owner = ref()
         if owner is not None and owner._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{description}] is at version {owner._version}; expected version {version} "
-                "instead. fused_linear_cross_entropy computed its gradients from the values its forward saw."
+                f"operation: [{owner.type()} {list(owner.shape)}] is at version {owner._version}; expected "
+                f"version {version} instead. fused_linear_cross_entropy computed its gradients from the values "
+                "its forward saw."
             )
 
 
