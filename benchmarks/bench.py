@@ -1,9 +1,10 @@
 """Benchmark of the fused linear cross-entropy against its peers, on one CUDA GPU.
 
-Methods, side by side in one process (peers are optional imports, used as black boxes):
-fused-linear-ce; PyTorch eager (bf16 logits, F.cross_entropy in fp32); torch.compile of the
-same; Liger-Kernel's liger_fused_linear_cross_entropy; cut-cross-entropy's
-linear_cross_entropy (default, and filter_eps=None).
+Methods, side by side in one process (peers are optional imports, used as black boxes through
+their public functions): fused-linear-ce; PyTorch eager (bf16 logits, F.cross_entropy in fp32);
+torch.compile of the same; QuACK's chunked_linear_cross_entropy (chunk_size 2048, and its
+default chunk); Liger-Kernel's CuTe SM90 kernel and its Triton liger_fused_linear_cross_entropy;
+cut-cross-entropy's linear_cross_entropy (default, and filter_eps=None).
 
 For each shape, input kind and method: forward time under no_grad, training-step time
 (forward + backward, grads for hidden and weight), peak extra memory of one step and of
@@ -16,6 +17,7 @@ float32 reference on the same inputs. Times are medians of triton.testing.do_ben
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -39,6 +41,7 @@ ROWS = {
     "qwen25": (3584, 152064, 8192, "bfloat16"),
     "llama2": (4096, 32000, 8192, "bfloat16"),
     "llama3-n2048": (4096, 128256, 2048, "bfloat16"),
+    "llama3-n4096": (4096, 128256, 4096, "bfloat16"),
     "llama3-n32768": (4096, 128256, 32768, "bfloat16"),
     "llama3-n65536": (4096, 128256, 65536, "bfloat16"),
     "llama3-tp2-slice": (4096, 128256 // 2, 8192, "bfloat16"),  # one rank's part of a 2-way vocab split
@@ -46,7 +49,8 @@ ROWS = {
     "llama2-fp32": (4096, 32000, 8192, "float32"),
     "llama2-fp16": (4096, 32000, 8192, "float16"),
 }
-METHODS = ["fused-linear-ce", "torch", "torch.compile", "liger", "cce", "cce-exact"]
+METHODS = ["fused-linear-ce", "torch", "torch.compile", "quack", "quack-default", "liger-cute", "liger", "cce",
+           "cce-exact"]
 IGNORE_FRACTION = 0.1
 
 
@@ -104,7 +108,30 @@ def torch_loss(hidden, weight, targets):
     return F.cross_entropy(logits.float(), targets, ignore_index=-100)
 
 
+def _peer(fn, **options):
+    """A peer's loss function called as f(hidden, weight, targets) with those of ``options`` its
+    signature accepts (a tuple result's first item is the loss)."""
+    accepted = inspect.signature(fn).parameters
+
+    def call(h, w, t):
+        out = fn(h, w, t, **{k: v for k, v in options.items() if k in accepted})
+        return out[0] if isinstance(out, tuple) else out
+
+    return call
+
+
 def make_method(name, flce):
+    if name in ("quack", "quack-default"):
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        chunk = {"chunk_size": 2048} if name == "quack" else {}
+        return _peer(chunked_linear_cross_entropy, ignore_index=-100, reduction="mean", **chunk)
+    if name == "liger-cute":
+        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+            liger_fused_linear_cross_entropy_sm90,
+        )
+
+        return _peer(liger_fused_linear_cross_entropy_sm90, ignore_index=-100, reduction="mean")
     if name == "fused-linear-ce":
         return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t)
     if name == "torch":
@@ -197,7 +224,7 @@ def environment():
     except OSError:
         driver = None
     versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
-    for pkg in ("liger_kernel", "cut_cross_entropy", "kernels"):
+    for pkg in ("liger_kernel", "cut_cross_entropy", "kernels", "quack_kernels", "nvidia_cutlass_dsl"):
         try:
             from importlib.metadata import version
 

@@ -19,6 +19,10 @@ class Reference:
     num_correct_unambiguous: int  # rows counted in num_correct that are not ambiguous
     entropy_sum: torch.Tensor  # float64 ()
     logits: torch.Tensor  # float64 [rows, V]
+    predictions: torch.Tensor  # int64, targets' shape: the argmax of each row, -1 on ignored rows
+    ambiguous: torch.Tensor  # bool, targets' shape: rows (ignored ones too) whose argmax a rounding could flip
+    correct: torch.Tensor  # bool, targets' shape: argmax == target, False at ignored rows
+    entropy: torch.Tensor  # float64, targets' shape: softmax entropy, 0 at ignored rows
     grad_hidden: torch.Tensor | None = None  # float64, hidden's shape
     grad_weight: torch.Tensor | None = None
     grad_bias: torch.Tensor | None = None
@@ -26,11 +30,15 @@ class Reference:
 
 def reference(
     hidden, weight, targets, bias=None, ignore_index=-100, logit_scale=1.0, softcap=None, reduction="mean",
-    *, label_smoothing=0.0, z_loss_scale=0.0, grad_output=None, lse_grad=None, ambiguity_tol=1e-5,
+    *, label_smoothing=0.0, z_loss_scale=0.0, class_weight=None, grad_output=None, lse_grad=None,
+    ambiguity_tol=1e-5,
 ) -> Reference:
     """Loss, lse, metrics and, when ``grad_output`` (d out / d loss) or ``lse_grad`` is given,
     the gradients of ``sum(loss * grad_output) + sum(lse * lse_grad)`` with respect to hidden,
-    weight and bias (each only where that input requires grad)."""
+    weight and bias (each only where that input requires grad).
+
+    ``class_weight`` is F.cross_entropy's ``weight``; the z-loss of a row is weighted by its
+    target's class weight too, and a mean divides by the sum of those weights."""
     leaves = [None if t is None else t.detach().cpu().double().requires_grad_(t.requires_grad)
               for t in (hidden, weight, bias)]
     targets = targets.cpu()
@@ -47,14 +55,17 @@ def reference(
     valid = t != ignore_index
 
     lse = torch.logsumexp(z, dim=-1)
-    ce = F.cross_entropy(z, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
-    z_rows = torch.where(valid, z_loss_scale * lse * lse, torch.zeros_like(lse))
+    w64 = None if class_weight is None else class_weight.detach().cpu().double()
+    ce = F.cross_entropy(z, t, weight=w64, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)
+    row_weight = valid.double() if w64 is None else torch.where(valid, w64[t.clamp(0, vocab_size - 1)], 0.0)
+    z_rows = z_loss_scale * lse * lse * row_weight
     if reduction == "none":
         loss = (ce + z_rows).reshape(targets.shape)
     elif reduction == "sum":
         loss = ce + z_rows.sum()
     else:
-        loss = ce + z_rows.sum() / valid.sum()
+        loss = ce + z_rows.sum() / row_weight.sum()
 
     with torch.no_grad():
         zd = z.detach()
@@ -69,11 +80,13 @@ def reference(
         finite_abs = torch.where(zd.isfinite(), zd.abs(), torch.zeros_like(zd))  # -inf bias entries
         tol = ambiguity_tol * finite_abs.amax(dim=-1).clamp_min(1.0)
         near = (zd >= (top - tol)[:, None]) & (zd != top[:, None])
-        ambiguous = valid & near.any(dim=-1)
+        ambiguous_rows = near.any(dim=-1)
+        ambiguous = valid & ambiguous_rows
         num_correct = int(correct.sum())
         num_ambiguous = int(ambiguous.sum())
         num_correct_unambiguous = int((correct & ~ambiguous).sum())
-        entropy_sum = torch.where(valid, entropy, torch.zeros_like(entropy)).sum()
+        entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+        entropy_sum = entropy.sum()
 
     grads = [None, None, None]
     if grad_output is not None or lse_grad is not None:
@@ -89,6 +102,8 @@ def reference(
     return Reference(
         loss=loss.detach(), lse=lse.detach().reshape(targets.shape), num_correct=num_correct,
         num_ambiguous=num_ambiguous, num_correct_unambiguous=num_correct_unambiguous, entropy_sum=entropy_sum,
-        logits=z.detach(),
+        logits=z.detach(), predictions=torch.where(valid, argmax, -1).reshape(targets.shape),
+        ambiguous=ambiguous_rows.reshape(targets.shape),
+        correct=correct.reshape(targets.shape), entropy=entropy.reshape(targets.shape),
         grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2],
     )

@@ -56,8 +56,18 @@ def _none_with_lse(flce, hidden, weight, bias, targets):
     return (losses * row_weights).sum() + 0.1 * lse.square().mean(), lse
 
 
+def _class_weighted_per_token(flce, hidden, weight, bias, targets):
+    # class weights with label smoothing, and the per-row predictions and metrics
+    class_weight = torch.linspace(0.5, 2.0, weight.shape[0], device=weight.device)
+    losses, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none",
+                                                      return_metrics=True, class_weight=class_weight,
+                                                      label_smoothing=0.1)
+    return losses.sum(), metrics["predictions"], metrics["correct_tokens"], metrics["entropy"]
+
+
 @pytest.mark.parametrize(("path", "fn"), [
     ("interpreter", _mean_with_metrics), ("torch", _mean_with_metrics), ("torch", _none_with_lse),
+    ("torch", _class_weighted_per_token),
 ])
 def test_compiled_loss_matches_eager(flce, device, monkeypatch, path, fn):
     if device == "cpu":

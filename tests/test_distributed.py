@@ -20,6 +20,11 @@ CASES = [
     dict(reduction="mean", bias=True, return_metrics=True, label_smoothing=0.1, z_loss_scale=1e-3),
     dict(reduction="sum", softcap=4.0, logit_scale=0.8, return_metrics=True),
     dict(reduction="none", return_lse=True, return_metrics=True),
+    # class weights (the whole vocabulary's on every rank), in the forward's gradient sweep and
+    # with label smoothing (recomputed); float64 (its own merge of the row max and argmax)
+    dict(reduction="mean", class_weight=True, return_metrics=True, z_loss_scale=1e-3),
+    dict(reduction="sum", class_weight=True, label_smoothing=0.2, bias=True, return_metrics=True),
+    dict(reduction="mean", dtype="float64", bias=True, label_smoothing=0.1, return_metrics=True),
 ]
 
 
@@ -29,7 +34,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reference(hidden, weight, bias, targets, case):
+def _reference(hidden, weight, bias, targets, case, class_weight=None):
     """float64 loss, metrics, lse and gradients on the full weight."""
     h = hidden.double().requires_grad_()
     w = weight.double().requires_grad_()
@@ -39,14 +44,16 @@ def _reference(hidden, weight, bias, targets, case):
     if case.get("softcap"):
         z = case["softcap"] * torch.tanh(z / case["softcap"])
     valid = targets != -100
-    per_row = F.cross_entropy(z, targets, reduction="none", label_smoothing=case.get("label_smoothing", 0.0))
+    cw = None if class_weight is None else class_weight.double()
+    row_weight = valid.double() if cw is None else torch.where(valid, cw[targets.clamp(0)], 0.0)
+    per_row = F.cross_entropy(z, targets, weight=cw, reduction="none", label_smoothing=case.get("label_smoothing", 0.0))
     lse = z.logsumexp(-1)
-    per_row = per_row + case.get("z_loss_scale", 0.0) * lse**2 * valid
-    loss = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / valid.sum()}[case["reduction"]]
+    per_row = per_row + case.get("z_loss_scale", 0.0) * lse**2 * row_weight
+    loss = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / row_weight.sum()}[case["reduction"]]
     p = z.softmax(-1)
     entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
     metrics = {"num_correct_tokens": ((z.argmax(-1) == targets) & valid).sum(),
-               "entropy_sum": entropy[valid].sum()}
+               "entropy_sum": entropy[valid].sum(), "predictions": torch.where(valid, z.argmax(-1), -1)}
     return loss, metrics, lse, (h, w, b)
 
 
@@ -136,34 +143,38 @@ def _check_case(flce, rank, world, case, device="cpu"):
     """One case on this rank, against the float64 reference on the full weight (on the CPU)."""
     torch.manual_seed(0)  # the same inputs on every rank
     n, hidden_size, vocab = 23, 24, 67  # 67 does not split evenly over 2 or 3 ranks
-    hidden = torch.randn(n, hidden_size)
-    weight = torch.randn(vocab, hidden_size) * 0.5
-    bias = torch.randn(vocab) if case.pop("bias", False) else None
+    dtype = getattr(torch, case.pop("dtype", "float32"))  # a name: scripts/distributed_check.py writes cases to JSON
+    hidden = torch.randn(n, hidden_size, dtype=dtype)
+    weight = torch.randn(vocab, hidden_size, dtype=dtype) * 0.5
+    bias = torch.randn(vocab, dtype=dtype) if case.pop("bias", False) else None
     targets = torch.randint(0, vocab, (n,))
     targets[::4] = -100
+    class_weight = torch.rand(vocab) + 0.5 if case.pop("class_weight", False) else None
     # ties across the shard boundary: two rows of weight equal, in different slices
     weight[vocab // world + 1] = weight[1]
     if device != "cpu":
-        return _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device)
+        return _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device, class_weight)
 
     sizes = [len(part) for part in torch.arange(vocab).tensor_split(world)]
     start = sum(sizes[:rank])
     w_local = weight[start:start + sizes[rank]].clone().requires_grad_()
     b_local = bias[start:start + sizes[rank]].clone().requires_grad_() if bias is not None else None
     h = hidden.clone().requires_grad_()
-    out = flce.fused_linear_cross_entropy(h, w_local, targets, b_local, process_group=dist.group.WORLD, **case)
+    out = flce.fused_linear_cross_entropy(h, w_local, targets, b_local, process_group=dist.group.WORLD,
+                                          class_weight=class_weight, **case)
     loss, metrics, lse = out if case.get("return_lse") else (*out, None)
     grad_out = torch.linspace(0.5, 1.5, n) if case["reduction"] == "none" else torch.tensor(0.7)
     total = (loss * grad_out).sum() + (lse.sum() * 0.3 if lse is not None else 0)
     total.backward()
 
-    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
+    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case, class_weight)
     ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
     ref_total.backward()
     # fp32 arithmetic against float64: relative errors of a few ulps of the sums involved
     tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol)
     assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
+    assert torch.equal(metrics["predictions"], ref_metrics["predictions"])  # global indices, ties across slices
     torch.testing.assert_close(metrics["entropy_sum"].double(), ref_metrics["entropy_sum"].detach(), **tol)
     if lse is not None:
         torch.testing.assert_close(lse.double(), ref_lse.detach(), **tol)
@@ -179,7 +190,7 @@ def _check_case(flce, rank, world, case, device="cpu"):
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device):
+def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device, class_weight=None):
     """The same check with the inputs on ``device`` (NCCL): fp32 there follows torch's float32
     matmul precision, so the tolerance is that of 3xTF32 products, not of IEEE fp32."""
     sizes = [len(part) for part in torch.arange(weight.shape[0]).tensor_split(world)]
@@ -188,17 +199,19 @@ def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, dev
     b_local = bias[start:start + sizes[rank]].to(device).requires_grad_() if bias is not None else None
     h = hidden.to(device).requires_grad_()
     out = flce.fused_linear_cross_entropy(h, w_local, targets.to(device), b_local, process_group=dist.group.WORLD,
+                                          class_weight=None if class_weight is None else class_weight.to(device),
                                           **case)
     loss, metrics, lse = out if case.get("return_lse") else (*out, None)
     grad_out = torch.linspace(0.5, 1.5, len(targets)) if case["reduction"] == "none" else torch.tensor(0.7)
     total = (loss * grad_out.to(device)).sum() + (lse.sum() * 0.3 if lse is not None else 0)
     total.backward()
-    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
+    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case, class_weight)
     ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
     ref_total.backward()
     tol = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **tol)
     assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
+    assert torch.equal(metrics["predictions"].cpu(), ref_metrics["predictions"])
     torch.testing.assert_close(h.grad.double().cpu(), rh.grad, **tol)
     torch.testing.assert_close(w_local.grad.double().cpu(), rw.grad[start:start + sizes[rank]], **tol)
 

@@ -33,16 +33,27 @@ def check_grads(tensors, ref, dtype):
         assert_rel(t.grad, expected, tolerance(dtype, "grad"), f"grad_{name}")
 
 
-def check_metrics(metrics, ref, dtype):
-    assert set(metrics) == {"num_correct_tokens", "entropy_sum"}
+def check_metrics(metrics, ref, dtype, reduction="mean"):
+    """The sums, the per-row predictions and, with reduction "none", the per-row metrics."""
+    per_row = {"correct_tokens", "entropy"} if reduction == "none" else set()
+    assert set(metrics) == {"num_correct_tokens", "entropy_sum", "predictions"} | per_row
     correct, entropy = metrics["num_correct_tokens"], metrics["entropy_sum"]
     assert correct.dtype == torch.int64 and correct.dim() == 0
     assert entropy.dtype == torch.float32 and entropy.dim() == 0
     # Random inputs: no two logits of a row within a rounding of each other at the top,
     # so the count is exact (an assertion, not a skip, if the seed ever made one).
-    assert ref.num_ambiguous == 0, "test inputs have near-ties at the argmax"
+    assert ref.num_ambiguous == 0 and not ref.ambiguous.any(), "test inputs have near-ties at the argmax"
     assert int(correct) == ref.num_correct
     assert_rel(entropy, ref.entropy_sum, tolerance(dtype, "loss"), "entropy_sum")
+    predictions = metrics["predictions"]
+    assert predictions.dtype == torch.int64 and predictions.shape == ref.predictions.shape
+    assert torch.equal(predictions.cpu(), ref.predictions)  # -1 on ignored rows
+    if reduction == "none":
+        correct_tokens, row_entropy = metrics["correct_tokens"], metrics["entropy"]
+        assert correct_tokens.dtype == torch.bool and torch.equal(correct_tokens.cpu(), ref.correct)
+        assert row_entropy.dtype == torch.float32 and row_entropy.shape == ref.entropy.shape
+        assert_rel(row_entropy, ref.entropy, tolerance(dtype, "loss"), "entropy")
+        assert torch.all(row_entropy.cpu()[ref.entropy == 0] == 0)  # exactly 0 at ignored rows
 
 
 # Each case: sizes, options, how the inputs are made, environment knobs ("env"); "go" is
@@ -115,7 +126,7 @@ def test_matches_reference(flce, monkeypatch, case, dtype):
     if c.get("reduction") == "none":  # ignored rows are exactly 0
         ignored = targets == c.get("ignore_index", -100)
         assert torch.all(loss.detach()[ignored] == 0)
-    check_metrics(metrics, ref, dtype)
+    check_metrics(metrics, ref, dtype, c.get("reduction", "mean"))
     check_grads((hidden, weight, bias), ref, dtype)
 
 
@@ -164,7 +175,7 @@ def test_return_lse_with_gradient(flce, monkeypatch, case, dtype):
     ref = reference(hidden, weight, targets, bias, grad_output=grad_output.cpu(), lse_grad=lse_grad.cpu(), **c)
     assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
     assert_rel(lse, ref.lse, tolerance(dtype, "loss"), "lse")
-    check_metrics(metrics, ref, dtype)
+    check_metrics(metrics, ref, dtype, c.get("reduction", "mean"))
     check_grads((hidden, weight, bias), ref, dtype)
 
 
@@ -285,7 +296,7 @@ def test_tma_and_pointer_paths_agree(flce, monkeypatch, dtype, tma):
     (loss * grad_output).sum().backward()
     ref = reference(hidden, weight, targets, bias, reduction="none", softcap=6.0, grad_output=grad_output.cpu())
     assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
-    check_metrics(metrics, ref, dtype)
+    check_metrics(metrics, ref, dtype, "none")
     check_grads((hidden, weight, bias), ref, dtype)
     assert decisions and all(d == (tma == "1" and _tma_available()) for d in decisions), decisions
 
@@ -375,6 +386,7 @@ def test_argmax_ties_take_the_first_index(flce, monkeypatch, dtype):
     assert 0 < expected < n
     _, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets.to(DEVICE), return_metrics=True)
     assert int(metrics["num_correct_tokens"]) == expected
+    assert torch.equal(metrics["predictions"].cpu(), first)
 
 
 def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
@@ -395,6 +407,7 @@ def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
     ref = reference(hidden, weight, targets, reduction="none")
     assert ref.logits.argmax(-1)[:3].tolist() == [50, 50, 2099]
     assert int(metrics["num_correct_tokens"]) == ref.num_correct == 2
+    assert torch.equal(metrics["predictions"].cpu(), ref.predictions)
     assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
     assert_rel(metrics["entropy_sum"], ref.entropy_sum, tolerance(torch.float32, "loss"), "entropy_sum")
 
@@ -520,7 +533,7 @@ def test_cpu_tensors_without_interpreter_use_the_torch_backend(flce, monkeypatch
                     **{k: v for k, v in kwargs.items() if k != "return_metrics"})
     tol = tolerance(torch.float32, "loss")
     assert_rel(loss, ref.loss, tol, "loss")
-    check_metrics(metrics, ref, torch.float32)
+    check_metrics(metrics, ref, torch.float32, reduction)
     check_grads((hidden, weight, bias), ref, torch.float32)
     # Same results as the Triton kernels, up to fp32 rounding.
     assert_rel(loss, triton_loss.cpu(), tol, "loss vs triton")

@@ -35,6 +35,13 @@ class LossOptions:
         return self.z_loss_scale != 0.0
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax statistics, per-row results and accumulators: float32 for
+    16- and 32-bit inputs, float64 for float64 inputs (so that gradcheck's finite differences
+    see float64 arithmetic)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass
 class RowStats:
     """Merged softmax statistics of a block of rows, all [rows]; see ``_kernels`` for the maths.
@@ -43,22 +50,23 @@ class RowStats:
     where no vocabulary entry matched the target (ignored or out of range).
     """
 
-    row_max: torch.Tensor  # fp32
+    row_max: torch.Tensor  # fp32 (fp64 for fp64 inputs, as every fp32 below)
     sum_exp: torch.Tensor  # fp32
     target_logit: torch.Tensor  # fp32
     entropy_term: torch.Tensor | None = None  # fp32, with metrics
     argmax: torch.Tensor | None = None  # int64, with metrics
-    logit_sum: torch.Tensor | None = None  # fp32, with label smoothing
+    logit_sum: torch.Tensor | None = None  # fp32, with label smoothing; sum_j w_j z_j with class weights w
 
 
 @dataclass
 class RowResults:
     """Per-row outputs of the forward, all [rows]."""
 
-    lse: torch.Tensor  # fp32
+    lse: torch.Tensor  # fp32 (fp64 for fp64 inputs, as every fp32 below)
     loss: torch.Tensor  # fp32, 0 on ignored rows
     correct: torch.Tensor | None = None  # int32, with metrics
     entropy: torch.Tensor | None = None  # fp32, 0 on ignored rows, with metrics
+    prediction: torch.Tensor | None = None  # int64 argmax, with metrics
 
 
 def env_int(name: str, default: int) -> int:

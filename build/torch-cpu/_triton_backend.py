@@ -8,11 +8,12 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _kernels as K
-from ._options import LossOptions, RowResults, RowStats, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
 def interpreting() -> bool:
@@ -50,6 +51,8 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
     rest is autotuned. Shared memory per stage is (BLOCK_N + BLOCK_V) * BLOCK_K * element
     size, kept under Hopper's 227 KiB.
     """
+    if element_size == 8:  # float64 (verification, not speed): fp64 accumulators are register-hungry
+        return [_config(64, 32, 4, 2)]
     if element_size == 4:
         return [_config(128, 32, 8, 3), _config(64, 32, 4, 3)]
     if block_v >= 256:
@@ -61,7 +64,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
-    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V",
+    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
 ]
 _autotuned = {}
 
@@ -89,6 +92,8 @@ def tile_width(dtype: torch.dtype) -> int:
     """Vocabulary columns per logit tile (BLOCK_V)."""
     if interpreting():
         return env_int("FLCE_BLOCK_V", 32)
+    if dtype == torch.float64:
+        return env_int("FLCE_BLOCK_V", 64)
     return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
 
 
@@ -122,7 +127,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) can move these 2-D tensors: Hopper or newer, rows
     contiguous and 16-byte aligned."""
-    if env_int("FLCE_TMA", 1) == 0:
+    if env_int("FLCE_TMA", 1) == 0 or tensors[0].element_size() == 8:  # float64: plain loads
         return False
     if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
@@ -154,6 +159,11 @@ def _flags(opts: LossOptions, bias) -> dict:
     )
 
 
+def _acc_dtype(dtype: torch.dtype):
+    """The kernels' ACC_DTYPE for inputs of ``dtype``."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def _scalars(opts: LossOptions, vocab_size: int) -> dict:
     return dict(
         logit_scale=float(opts.logit_scale),
@@ -171,7 +181,7 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
-                        lse=None, loss_grad=None, lse_grad=None, row_ref=None):
+                        lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)
@@ -202,6 +212,8 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         loss_grad if loss_grad is not None else dummy,
         lse_grad if lse_grad is not None else dummy,
         row_ref if row_ref is not None else dummy,
+        class_weight if class_weight is not None else dummy,
+        smooth_grad if smooth_grad is not None else dummy,
         n_rows, vocab_size, hidden_size,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
@@ -215,22 +227,27 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         EVEN_K=hidden_size % 128 == 0,
         INPUT_PRECISION=_input_precision(hidden.dtype),
         BLOCK_V=block_v,
+        HAS_CLASS_WEIGHT=class_weight is not None,
+        ACC_DTYPE=_acc_dtype(hidden.dtype),
         **fixed,
     )
 
 
-def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None):
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
+              class_weight=None):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
     exponentials that ``row_factors`` turns into a factored gradient. Returns the stats and
-    the state that ``grad_from_stored`` / ``row_factors`` need."""
+    the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
+    with label smoothing only) weights the logit sum."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
     device = hidden.device
-    f32 = dict(device=device, dtype=torch.float32)
+    acc_dtype = accumulation_dtype(hidden.dtype)
+    f32 = dict(device=device, dtype=acc_dtype)  # float64 for float64 inputs
 
-    def tile_array(enabled, dtype=torch.float32):
+    def tile_array(enabled, dtype=acc_dtype):
         return torch.empty((n_rows, num_tiles) if enabled else (1,), device=device, dtype=dtype)
 
     tile_stats = (
@@ -243,7 +260,8 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, out=shifted_out,
-                        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref)
+                        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
+                        class_weight=class_weight)
 
     stats = RowStats(
         row_max=torch.empty(n_rows, **f32),
@@ -267,6 +285,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         ROW_REFERENCE=row_ref is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
+        ACC_DTYPE=_acc_dtype(hidden.dtype),
     )
     return stats, tile_stats[0]
 
@@ -394,15 +413,18 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
     return row_factor
 
 
-def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc):
+def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
+                class_weight=None, smooth_grad=None):
     """Recomputes a chunk's logits and stores its grad logits [rows, V] to ``out`` (lse known);
-    adds their column sums to ``bias_grad_acc`` [V] fp32 unless it is None. Returns ``out``."""
+    adds their column sums to ``bias_grad_acc`` [V] fp32 unless it is None. Returns ``out``.
+    With label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] give the smoothing
+    term its class weights (see ``_chunked.kernel_row_grads``)."""
     dummy = _dummy(hidden.device)
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, out=out,
                         tile_stats=(dummy,) * 5, target_logit=dummy, lse=lse, loss_grad=loss_grad,
-                        lse_grad=lse_grad)
+                        lse_grad=lse_grad, class_weight=class_weight, smooth_grad=smooth_grad)
     if bias_grad_acc is not None:
-        bias_grad_acc += torch.sum(out, dim=0, dtype=torch.float32)
+        bias_grad_acc += torch.sum(out, dim=0, dtype=bias_grad_acc.dtype)
     return out
 
 

@@ -19,6 +19,9 @@ the backward scales them by the real grad_output.
 Backward of reduction "none" (a gradient per row, unknown in the forward) or of a returned
 lse: the logits are recomputed chunk by chunk, now with lse known, and written directly
 as grad logits (8 N V H flops in all).
+Class weights w (PyTorch's ``weight=``) stay outside the chunk loop's kernels but for label
+smoothing: a row's loss and gradient are those of the unweighted row times w_t (see
+``weight_row_losses`` and ``kernel_row_grads``), and a mean divides by the sum of w_t.
 """
 
 from dataclasses import dataclass, fields
@@ -27,7 +30,7 @@ import torch
 
 from . import _torch_backend, _triton_backend
 from ._distributed import Shard
-from ._options import LossOptions, RowResults, RowStats, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
 def backend_for(device: torch.device):
@@ -42,13 +45,16 @@ def backend_for(device: torch.device):
 
 @dataclass
 class ForwardResult:
-    loss: torch.Tensor  # fp32, () or [N]
+    loss: torch.Tensor  # fp32, () or [N] (fp64 for fp64 inputs, as every fp32 here)
     lse: torch.Tensor  # [N] fp32
     num_correct: torch.Tensor  # () int64
     entropy_sum: torch.Tensor  # () fp32
     grad_hidden: torch.Tensor | None  # [N, H]
     grad_weight: torch.Tensor | None  # [V, H]
     grad_bias: torch.Tensor | None  # [V]
+    prediction: torch.Tensor | None = None  # [N] int64 argmax (-1 on ignored rows), with metrics
+    correct: torch.Tensor | None = None  # [N] int32, with metrics
+    entropy: torch.Tensor | None = None  # [N] fp32, with metrics
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -156,7 +162,8 @@ class _Gradients:
         self.pending = []  # grad_hidden all-reduces in flight: (work, block, rows it goes to or None)
         self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
         self.grad_weight = _new_weight_grad(vocab_size, hidden.shape[1], hidden, chunk, n_chunks) if want_w else None
-        self.bias_acc = torch.zeros(vocab_size, device=hidden.device, dtype=torch.float32) if want_b else None
+        self.bias_acc = torch.zeros(vocab_size, device=hidden.device,
+                                    dtype=accumulation_dtype(hidden.dtype)) if want_b else None
         self.first = True
         self.computed = 0
 
@@ -240,47 +247,114 @@ def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
     return new((vocab_size, hidden_size), device=hidden.device, dtype=hidden.dtype)
 
 
-def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch.Tensor) -> torch.Tensor:
-    """d out / d loss_i [N] fp32: grad_output spread over the rows, 0 on ignored rows."""
+def row_weights(targets, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor | None:
+    """w_t [N]: the class weight of each row's target (global index), 0 on ignored rows;
+    None without class weights."""
+    if class_weight is None:
+        return None
+    valid = targets != ignore_index
+    picked = class_weight[torch.where(valid, targets, 0).clamp(0, class_weight.shape[0] - 1)]
+    return torch.where(valid, picked, torch.zeros((), device=targets.device, dtype=class_weight.dtype))
+
+
+def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch.Tensor,
+                  row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """d out / d loss_i [N] fp32 (fp64 for an fp64 loss): grad_output spread over the rows, 0 on
+    ignored rows. A mean divides by the number of non-ignored rows, or with class weights by
+    the sum of their ``row_weight`` (as F.cross_entropy)."""
     valid = targets != opts.ignore_index
-    grad_output = grad_output.float()
+    grad_output = grad_output.to(torch.promote_types(grad_output.dtype, torch.float32))
     if reduction == "mean":
-        grad_output = grad_output / valid.sum()
-    return torch.where(valid, grad_output, torch.zeros((), device=targets.device))
+        grad_output = grad_output / (valid.sum() if row_weight is None else row_weight.sum())
+    return torch.where(valid, grad_output, torch.zeros((), device=targets.device, dtype=grad_output.dtype))
+
+
+def kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts: LossOptions, vocab_size: int):
+    """The kernels' per-row (loss_grad, lse_grad, smooth_grad) for d out / d loss_i = ``loss_grad``
+    when rows carry class weights ``row_weight`` (w_t; ``weight_sum`` = sum_j w_j).
+
+    Row i's loss is w_t (lse - z_t) + k w_t lse^2, so the kernels take loss_grad w_t. With label
+    smoothing, (1 - eps) w_t (lse - z_t) + (eps / V) sum_j w_j (lse - z_j) + k w_t lse^2 has the
+    gradient p_j ((1 - eps) w_t + eps W / V + 2 k w_t lse) - (1 - eps) w_t [j = t] - (eps / V) w_j:
+    the kernels' coefficient of p gets loss_grad eps (W / V - w_t) through lse_grad, and their
+    smoothing term the column weights w_j, for smooth_grad = loss_grad."""
+    if row_weight is None:
+        return loss_grad, lse_grad, None
+    weighted = loss_grad * row_weight
+    if not opts.has_smoothing:
+        return weighted, lse_grad, None
+    extra = loss_grad * opts.label_smoothing * (weight_sum * opts.inv_vocab_size(vocab_size) - row_weight)
+    return weighted, extra if lse_grad is None else lse_grad + extra, loss_grad
+
+
+def weight_row_losses(out: RowResults, stats: RowStats, targets, row_weight, weight_sum, opts: LossOptions,
+                      vocab_size: int) -> None:
+    """Rewrites ``out.loss`` with class weights, as F.cross_entropy(weight=...) gives it per row:
+    w_t (lse - z_t) + k w_t lse^2, and with label smoothing
+    (1 - eps) w_t (lse - z_t) + (eps / V) (W lse - sum_j w_j z_j) + k w_t lse^2 (W = sum_j w_j;
+    ``stats.logit_sum`` holds sum_j w_j z_j then)."""
+    if not opts.has_smoothing:
+        out.loss.mul_(row_weight)  # 0 on ignored rows already
+        return
+    eps, lse = opts.label_smoothing, out.lse
+    loss = ((1.0 - eps) * row_weight * (lse - stats.target_logit)
+            + eps * opts.inv_vocab_size(vocab_size) * (weight_sum * lse - stats.logit_sum))
+    if opts.has_z_loss:
+        loss = loss + opts.z_loss_scale * row_weight * lse * lse
+    out.loss.copy_(torch.where(targets != opts.ignore_index, loss, torch.zeros_like(loss)))
+
+
+def _local_class_weight(class_weight, opts: LossOptions, vocab_size: int, shard: Shard | None):
+    """The class weights of this vocabulary slice [V], for the kernels: only label smoothing
+    needs them there (None otherwise)."""
+    if class_weight is None or not opts.has_smoothing:
+        return None
+    if shard is None:
+        return class_weight
+    return class_weight[shard.vocab_start: shard.vocab_start + vocab_size].contiguous()
 
 
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
-            all_rows: bool = False) -> ForwardResult:
+            class_weight: torch.Tensor | None = None, all_rows: bool = False) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
-    With a ``shard``, weight and bias are this rank's slice of the vocabulary. Rows with an
-    ignored target are skipped (their lse is returned as 0) unless ``all_rows``."""
+    With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
+    [V of the whole vocabulary] (fp32, fp64 for fp64 inputs) weights the classes. Rows with an
+    ignored target are skipped (lse 0, prediction -1) unless ``all_rows``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
     backend = backend_for(device)
-    f32 = dict(device=device, dtype=torch.float32)
+    f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
     row_order = _row_order(backend, targets, opts, reduction, all_rows)
     if row_order is not None:
         targets = row_order.targets
-    # Per-row results in the computed order; rows never computed (ignored) keep zeros.
+    # Per-row results in the computed order; rows never computed (ignored) keep these values.
     results = RowResults(
         lse=torch.zeros(n_rows, **f32),
         loss=torch.zeros(n_rows, **f32),
         correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if opts.return_metrics else None,
         entropy=torch.zeros(n_rows, **f32) if opts.return_metrics else None,
+        prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if opts.return_metrics else None,
     )
+    row_weight = row_weights(targets, class_weight, opts.ignore_index)
+    weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
+    local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
+    # (the caller keeps class-weighted label smoothing off this path: its smoothing term is not
+    # in the stored-logits gradient pass)
+    assert not (training and local_class_weight is not None), "class-weighted smoothing recomputes"
     n_chunks = _cdiv(n_rows, chunk) if training else 0
     gradients = _Gradients(hidden, vocab_size, grads, chunk, n_chunks, row_order, shard)
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
     factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
     if training:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
-        if row_order is None:
-            loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device))
+        if row_order is None or row_weight is not None:
+            loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device), row_weight)
+            loss_grad = kernel_row_grads(loss_grad, None, row_weight, weight_sum, opts, vocab_size)[0]
         else:
             loss_grad = row_order.loss_grad
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
@@ -289,24 +363,33 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     merge_once = shard is not None and not training
     chunk_stats = []
 
+    def finish(stats, start, end):  # the per-row results of rows [start, end)
+        out = RowResults(*(None if t is None else t[start:end] for t in (
+            results.lse, results.loss, results.correct, results.entropy, results.prediction)))
+        backend.finalize(stats, targets[start:end], opts, vocab_size, out)
+        if opts.return_metrics:
+            out.prediction.copy_(torch.where(targets[start:end] != opts.ignore_index, stats.argmax, -1))
+        if row_weight is not None:
+            weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
+        return out
+
     computed = 0
     for start, end in _spans(n_rows, chunk, row_order):
         computed = end
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
-        targets_c, slice_targets_c = targets[start:end], slice_targets[start:end]
+        slice_targets_c = slice_targets[start:end]
         stored = buffer[: end - start] if training else None
         row_ref = backend.row_reference(hidden_c, weight, slice_targets_c, opts) if factored else None
         stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, stored,
-                                         row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None)
+                                         row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None,
+                                         class_weight=local_class_weight)
         if merge_once:
             chunk_stats.append(stats)
             continue
         local_row_max = stats.row_max
         if shard is not None:
             stats = shard.merge(stats)
-        out = RowResults(*(None if t is None else t[start:end]
-                           for t in (results.lse, results.loss, results.correct, results.entropy)))
-        backend.finalize(stats, targets_c, opts, vocab_size, out)
+        out = finish(stats, start, end)
         if factored:
             row_factor = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad[start:end],
                                              slice_targets_c, opts)
@@ -317,37 +400,46 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
     if merge_once and chunk_stats:
-        computed_results = RowResults(*(None if t is None else t[:computed]
-                                        for t in (results.lse, results.loss, results.correct, results.entropy)))
-        backend.finalize(shard.merge(_concat_stats(chunk_stats)), targets[:computed], opts, vocab_size,
-                         computed_results)
+        finish(shard.merge(_concat_stats(chunk_stats)), 0, computed)
     grad_hidden, grad_weight, grad_bias = gradients.finish(hidden.dtype, bias)
 
+    def unordered(t):
+        return t if t is None or row_order is None else row_order.unorder(t)
+
     if reduction == "none":
-        loss = results.loss if row_order is None else row_order.unorder(results.loss)
+        loss = unordered(results.loss)
     else:
         loss = results.loss.sum()
         if reduction == "mean":
-            loss = loss / ((targets != opts.ignore_index).sum() if row_order is None else row_order.count[0])
+            if row_weight is not None:
+                loss = loss / row_weight.sum()
+            else:
+                loss = loss / ((targets != opts.ignore_index).sum() if row_order is None else row_order.count[0])
     if opts.return_metrics:
         num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:
         num_correct = torch.zeros((), device=device, dtype=torch.int64)
         entropy_sum = torch.zeros((), **f32)
     return ForwardResult(
-        loss=loss, lse=results.lse if row_order is None else row_order.unorder(results.lse),
-        num_correct=num_correct, entropy_sum=entropy_sum,
+        loss=loss, lse=unordered(results.lse), num_correct=num_correct, entropy_sum=entropy_sum,
         grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
+        prediction=unordered(results.prediction), correct=unordered(results.correct),
+        entropy=unordered(results.entropy),
     )
 
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
-             grads: tuple[bool, bool, bool], shard: Shard | None = None):
+             grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
-    (0 on ignored rows) and an optional ``lse_grad`` [N]."""
+    (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
+    of the forward."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     backend = backend_for(hidden.device)
+    row_weight = row_weights(targets, class_weight, opts.ignore_index)
+    weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
+    loss_grad, lse_grad, smooth_grad = kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts, vocab_size)
+    local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, True, shard)
     gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), None, shard)
     if shard is not None:
@@ -360,6 +452,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
                 hidden_c, weight, bias, targets[start:end], lse[start:end],
                 loss_grad[start:end], None if lse_grad is None else lse_grad[start:end], opts,
                 buffer[: end - start], gradients.bias_acc,
+                local_class_weight, None if smooth_grad is None else smooth_grad[start:end],
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
     return gradients.finish(hidden.dtype, bias)

@@ -14,6 +14,9 @@ rank then holds the statistics of the whole vocabulary, hence the same loss and 
        global max, the target logit (from the rank that holds it), the logit sum, and a
        count of ranks that held the target.
 
+(float64 inputs, whose row max has no room for an index in 64 bits, take a MAX of the row
+max and a MIN of the indices that reach it instead of step 1: three all-reduces.)
+
 The gradient path also sums grad_hidden [N, H], every rank's ``G_local @ W_local``: one
 asynchronous all-reduce per chunk of rows, started as soon as the chunk's product is queued,
 so that it runs under the next chunk's work.
@@ -47,9 +50,12 @@ class Shard:
     def merge(self, stats: RowStats) -> RowStats:
         """The statistics of the whole vocabulary from every rank's (two all-reduces)."""
         argmax = stats.argmax if stats.argmax is not None else torch.zeros_like(stats.row_max, dtype=torch.int64)
-        key = _order_key(stats.row_max, argmax + self.vocab_start)
-        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
-        row_max, global_argmax = _order_key_inverse(key)
+        if stats.row_max.dtype == torch.float64:
+            row_max, global_argmax = self._max_and_first_index(stats.row_max, argmax + self.vocab_start)
+        else:
+            key = _order_key(stats.row_max, argmax + self.vocab_start)
+            dist.all_reduce(key, op=dist.ReduceOp.MAX, group=self.group)
+            row_max, global_argmax = _order_key_inverse(key)
 
         live = stats.row_max > float("-inf")  # a fully masked slice contributes nothing
         weight = torch.where(live, torch.exp(stats.row_max - row_max), torch.zeros_like(row_max))
@@ -61,7 +67,7 @@ class Shard:
             weight * (entropy + stats.sum_exp * gap),
             torch.where(found, stats.target_logit, torch.zeros_like(row_max)),
             stats.logit_sum if stats.logit_sum is not None else torch.zeros_like(row_max),
-            found.float(),
+            found.to(row_max.dtype),
         ], dim=1)  # [rows, 5]
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.group)
         target_logit = torch.where(packed[:, 4] > 0, packed[:, 2], torch.full_like(row_max, float("nan")))
@@ -73,6 +79,14 @@ class Shard:
             argmax=global_argmax if stats.argmax is not None else None,
             logit_sum=packed[:, 3].contiguous() if stats.logit_sum is not None else None,
         )
+
+    def _max_and_first_index(self, row_max: torch.Tensor, index: torch.Tensor):
+        """The global row max and the smallest global index that reaches it (two all-reduces)."""
+        global_max = row_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=self.group)
+        first = torch.where(row_max == global_max, index, torch.full_like(index, torch.iinfo(torch.int64).max))
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
+        return global_max, first
 
     @property
     def world_size(self) -> int:

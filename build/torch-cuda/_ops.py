@@ -3,14 +3,19 @@
 The operators are opaque to the compiler (one fake implementation each) and are named in
 the namespace of the package as it was imported: ``fused_linear_ce`` when installed with
 pip, the kernel's unique id when loaded by ``kernels`` (so two loaded versions never clash).
+
+Under torch.func transforms the same operators run inside ``FunctorchLoss``, an
+autograd.Function with ``setup_context``, which is what those transforms require.
 """
+
+import weakref
 
 import torch
 from torch import Tensor
 
 from . import _chunked
 from ._distributed import Shard, resolve_group
-from ._options import LossOptions
+from ._options import LossOptions, accumulation_dtype
 
 NAMESPACE = __name__.split(".")[0]
 
@@ -38,65 +43,74 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
 def forward_op(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
     ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
     z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
     reduction: str, return_metrics: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
     lse_of_all_rows: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias); the
-    gradients are computed in the same sweep (for grad_output 1) where asked, else empty.
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias, prediction,
+    correct, entropy); the gradients are computed in the same sweep (for grad_output 1) where
+    asked, else empty; the last three are per row with ``return_metrics``, else empty.
     With a ``group_name``, weight and bias are the rows [vocab_start, vocab_start + V) of a
-    vocabulary of ``total_vocab_size`` sharded over that group's ranks. The lse of rows with
-    an ignored target is 0 unless ``lse_of_all_rows``."""
+    vocabulary of ``total_vocab_size`` sharded over that group's ranks; ``class_weight`` [that
+    total V] (fp32, fp64 for fp64 inputs) weights the classes. Rows with an ignored target
+    are skipped (lse 0, prediction -1) unless ``lse_of_all_rows``."""
     opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
                     return_metrics)
     with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
         res = _chunked.forward(hidden, weight, targets, bias, opts, reduction,
                                (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size),
-                               all_rows=lse_of_all_rows)
+                               class_weight, all_rows=lse_of_all_rows)
+    no_row = hidden.new_empty(0, dtype=torch.int64)
     return (
         res.loss, res.lse, res.num_correct, res.entropy_sum,
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
+        _or_empty(res.prediction, no_row), _or_empty(res.correct, no_row).bool(), _or_empty(res.entropy, res.lse),
     )
 
 
 @forward_op.register_fake
-def _(hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
+def _(hidden, weight, targets, bias, class_weight, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
       total_vocab_size, group_name, vocab_start, reduction, return_metrics, grad_hidden, grad_weight, grad_bias,
       lse_of_all_rows=False):
     n_rows = hidden.shape[0]
-    f32 = dict(device=hidden.device, dtype=torch.float32)
+    acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+    per_row = (n_rows,) if return_metrics else (0,)
     return (
-        hidden.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32),
-        hidden.new_empty((n_rows,), dtype=torch.float32),
+        hidden.new_empty((n_rows,) if reduction == "none" else (), **acc),
+        hidden.new_empty((n_rows,), **acc),
         torch.empty((), device=hidden.device, dtype=torch.int64),
-        torch.empty((), **f32),
+        torch.empty((), **acc),
         hidden.new_empty(hidden.shape if grad_hidden else (0,)),
         hidden.new_empty(weight.shape if grad_weight else (0,)),
         hidden.new_empty(bias.shape if grad_bias else (0,)),
+        torch.empty(per_row, device=hidden.device, dtype=torch.int64),
+        torch.empty(per_row, device=hidden.device, dtype=torch.bool),
+        torch.empty(per_row, **acc),
     )
 
 
 @torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
 def backward_op(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
     loss_grad: Tensor, lse_grad: Tensor | None,
     ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
     z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
     grad_hidden: bool, grad_weight: bool, grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients by recomputation for a per-row ``loss_grad`` [N] and optional ``lse_grad`` [N]."""
+    """Gradients by recomputation for a per-row ``loss_grad`` [N] (d out / d loss_i) and optional
+    ``lse_grad`` [N]."""
     opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size)
     with _no_autocast(hidden):
         grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts,
                                   (grad_hidden, grad_weight, grad_bias),
-                                  _shard(group_name, vocab_start, total_vocab_size))
+                                  _shard(group_name, vocab_start, total_vocab_size), class_weight)
     return tuple(_or_empty(g, hidden) for g in grads)
 
 
 @backward_op.register_fake
-def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, ignore_index, logit_scale, softcap,
+def _(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, ignore_index, logit_scale, softcap,
       label_smoothing, z_loss_scale, total_vocab_size, group_name, vocab_start, grad_hidden, grad_weight, grad_bias):
     return (
         hidden.new_empty(hidden.shape if grad_hidden else (0,)),
@@ -117,15 +131,120 @@ def _(x, scale):
     return None
 
 
+def _vmap_per_sample(op):
+    """A vmap rule that runs ``op`` once per sample and stacks the results (what PyTorch's
+    fallback does, without its warning that asks for a batching rule)."""
+
+    def rule(info, in_dims, *args):
+        def sample(i):
+            return op(*(a if dim is None else a.select(dim, i) for a, dim in zip(args, in_dims, strict=True)))
+
+        samples = [sample(i) for i in range(info.batch_size)]
+        outputs = tuple(torch.stack(parts) for parts in zip(*samples, strict=True))
+        return outputs, (0,) * len(outputs)
+
+    op.register_vmap(rule)
+
+
+_vmap_per_sample(forward_op)
+_vmap_per_sample(backward_op)
+
+
 # ---- autograd ---------------------------------------------------------------------------
 _EAGER, _RECOMPUTE = 0, 1
+_NUM_INPUTS = 19  # forward_op's arguments
+
+DOUBLE_BACKWARD_ERROR = (
+    "fused_linear_cross_entropy does not support double backward: its backward is not differentiable, so "
+    "a backward with create_graph=True (a gradient penalty, a Hessian-vector product) or torch.func.grad "
+    "of a grad is refused. Compute such terms from materialised logits, with F.linear + F.cross_entropy."
+)
+FORWARD_AD_ERROR = (
+    "fused_linear_cross_entropy does not support forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad); reverse mode works under torch.func.grad, vjp, jacrev and vmap."
+)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes gradients through unchanged, as functions of the loss's inputs (the anchors) whose
+    derivative raises."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(num_anchors, *anchors_and_grads):
+        return tuple(g.view_as(g) for g in anchors_and_grads[num_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grad_grads):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def _first_order_only(grads: list, anchors) -> list:
+    """The gradients under torch.func, where the backward always runs with a graph (as with
+    create_graph=True): made to depend on the loss's inputs ``anchors`` through a function whose
+    derivative raises, so that a grad of the grad fails instead of taking them for constants
+    (which would silently drop, say, a gradient penalty's second term)."""
+    if not torch.is_grad_enabled():
+        return grads
+    anchors = [a for a in anchors if a is not None]
+    present = [g for g in grads if g is not None]
+    wrapped = iter(_FirstOrderOnly.apply(len(anchors), *anchors, *present))
+    return [None if g is None else next(wrapped) for g in grads]
+
+
+def _forward_versions(*tensors) -> list:
+    """(weak reference, version) of the tensors whose forward-time values the in-forward
+    gradients are computed from, through the tensor that owns their version counter (a view's
+    base). Weak references: holding hidden would keep it alive until the backward."""
+    if torch.compiler.is_compiling():
+        return []
+    watched = []
+    for t in tensors:
+        if t is None or t.is_inference():
+            continue
+        owner = t if t._base is None else t._base
+        watched.append((weakref.ref(owner), owner._version))
+    return watched
+
+
+def _check_versions(watched: list) -> None:
+    """PyTorch's error for a saved tensor modified in place between the forward and the backward."""
+    for ref, version in watched:
+        owner = ref()
+        if owner is not None and owner._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{owner.type()} {list(owner.shape)}] is at version {owner._version}; expected "
+                f"version {version} instead. fused_linear_cross_entropy computed its gradients from the values "
+                "its forward saw."
+            )
+
+
+def _recomputed_grads(saved, options: tuple, reduction: str, loss_grad, lse_grad, want) -> list:
+    """Gradients (hidden, weight, bias) of the saved forward by recomputation."""
+    hidden, weight, targets, bias, class_weight, lse = saved
+    opts = _options(*options[:6])
+    if loss_grad is None:  # only the returned lse was used
+        loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
+    row_weight = _chunked.row_weights(targets, class_weight, opts.ignore_index)
+    row_grad = _chunked.row_loss_grad(targets, opts, reduction, loss_grad, row_weight)
+    if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
+        lse_grad = lse_grad.to(lse.dtype).contiguous()
+    grads = backward_op(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *options, *want)
+    return [g if w else None for g, w in zip(grads, want, strict=True)]
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, targets, bias, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias, _) = inputs
-    loss, lse, num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = output
-    ctx.mark_non_differentiable(num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias)
+    (hidden, weight, targets, bias, class_weight, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
+     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias, *_) = inputs
+    loss, lse, *rest = output
+    num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = rest[:5]
+    ctx.mark_non_differentiable(*rest)
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
     # would cost V x H memory and a fill.
     ctx.set_materialize_grads(False)
@@ -137,18 +256,25 @@ def _setup_context(ctx, inputs, output):
     ctx.consumed = False
     if ctx.path == _EAGER:
         ctx.save_for_backward(saved_grad_hidden, saved_grad_weight, saved_grad_bias)
+        # What PyTorch's F.linear + F.cross_entropy would save (not the bias): checked in the backward.
+        ctx.watched = _forward_versions(hidden, weight, targets, class_weight)
     else:
-        ctx.save_for_backward(hidden, weight, targets, bias, lse)
+        # The bias as the forward saw it: F.linear does not save its bias, so changing it in place
+        # before the backward neither raises nor changes the gradients there; hidden, weight,
+        # targets and class_weight are saved as PyTorch saves them (an in-place change raises).
+        ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(),
+                              class_weight, lse)
 
 
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
     if loss_grad is None and lse_grad is None:
-        return (None,) * 18
-    if loss_grad is None:  # only the returned lse was used
-        loss_grad = lse_grad.new_zeros(() if ctx.reduction != "none" else lse_grad.shape)
+        return (None,) * _NUM_INPUTS
+    if torch.is_grad_enabled():  # create_graph=True: the gradients would be taken for constants
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
     if ctx.path == _EAGER:
+        _check_versions(ctx.watched)
         # The gradients were computed in the forward for grad_output = 1: scale them in
         # place (no copy), which can only be done once.
         if ctx.consumed:
@@ -161,14 +287,46 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
         for g in grads:
             if g.numel():
                 scale_op(g, loss_grad)
+        grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     else:
-        hidden, weight, targets, bias, lse = ctx.saved_tensors
-        row_grad = _chunked.row_loss_grad(targets, _options(*ctx.options[:6]), ctx.reduction, loss_grad)
-        if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
-            lse_grad = lse_grad.float().contiguous()
-        grads = backward_op(hidden, weight, targets, bias, lse, row_grad, lse_grad, *ctx.options, *want)
-    grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * 14)
+        grads = _recomputed_grads(ctx.saved_tensors, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
+    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_INPUTS - 4))
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class FunctorchLoss(torch.autograd.Function):
+    """The loss under torch.func transforms (grad, vjp, jacrev, vmap, and compositions of them),
+    which need an autograd.Function with ``setup_context``: a custom op's registered autograd is
+    invisible to them. Gradients are always recomputed in the backward (which may then run more
+    than once, e.g. under jacrev); vmap runs the operators once per sample."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(hidden, weight, targets, bias, class_weight, options, reduction, return_metrics):
+        out = forward_op(hidden, weight, targets, bias, class_weight, *options, reduction, return_metrics,
+                         False, False, False, True)
+        return out[:4] + out[7:]  # loss, lse, num_correct, entropy_sum, prediction, correct, entropy
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, weight, targets, bias, class_weight, options, reduction, _ = inputs
+        ctx.mark_non_differentiable(*output[2:])
+        ctx.options, ctx.reduction, ctx.has_bias = options, reduction, bias is not None
+        ctx.save_for_backward(hidden, weight, targets, bias, class_weight, output[1])
+
+    @staticmethod
+    def backward(ctx, loss_grad, lse_grad, *unused):
+        needs = ctx.needs_input_grad
+        want = (needs[0], needs[1], ctx.has_bias and needs[3])
+        saved = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
+        grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
+        return grads[0], grads[1], None, grads[2], None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(FORWARD_AD_ERROR)

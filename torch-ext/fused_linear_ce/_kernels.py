@@ -12,6 +12,14 @@ Notation, for a row i of ``hidden`` (h_i), a vocabulary entry j and a target t_i
     d z_ij / d u_ij   = s (1 - (z_ij / c)^2)       (s alone without a softcap)
     grad_hidden = G @ W,  grad_weight = G^T @ H,  grad_bias = sum_i G_i   with G = d loss / d u
 
+With class weights w (PyTorch's ``weight=``), row i's loss is w_t times the above, except for
+the smoothing term, which becomes (eps / V) sum_j w_j (lse_i - z_ij). The per-row factors
+(w_t, and the coefficients of p) are applied outside the kernels; inside, HAS_CLASS_WEIGHT
+(set only with label smoothing) weights the logit sum, sum_j w_j z_ij, and the smoothing term
+of the gradient, (eps / V) w_j per column.
+
+Statistics and accumulators are fp32 (ACC_DTYPE), fp64 for fp64 inputs.
+
 The vocabulary is cut into tiles of BLOCK_V columns. For each (row, tile) the logit kernel
 reduces the tile to a few numbers that can be merged in any grouping (online softmax):
 
@@ -80,6 +88,8 @@ def _grad_logits(
     lse,  # [BLOCK_N] fp32
     loss_grad,  # [BLOCK_N] fp32 d out / d loss_i, 0 on ignored rows
     lse_grad,  # [BLOCK_N] fp32 d out / d lse_i (HAS_LSE_GRAD)
+    class_weight,  # [BLOCK_V] fp32 class weights w_j (HAS_CLASS_WEIGHT)
+    smooth_grad,  # [BLOCK_N] fp32 d out / d loss_i before the class weight (HAS_CLASS_WEIGHT)
     inv_vocab_size,
     logit_scale,
     softcap,
@@ -89,6 +99,7 @@ def _grad_logits(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_LSE_GRAD: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
 ):
     """d out / d u for one tile: the gradient with respect to the raw logits h.w + b."""
     prob_coef = loss_grad
@@ -101,7 +112,10 @@ def _grad_logits(
         target_coef = loss_grad * (1.0 - label_smoothing)
     grad = probs * prob_coef[:, None] - tl.where(is_target, target_coef[:, None], 0.0)
     if HAS_SMOOTHING:
-        grad = grad - (loss_grad * (label_smoothing * inv_vocab_size))[:, None]
+        if HAS_CLASS_WEIGHT:
+            grad = grad - (smooth_grad * (label_smoothing * inv_vocab_size))[:, None] * class_weight[None, :]
+        else:
+            grad = grad - (loss_grad * (label_smoothing * inv_vocab_size))[:, None]
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
@@ -121,12 +135,13 @@ def _tile_logits(
     logit_scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
 ):
-    """Final logits [BLOCK_N, BLOCK_V] (fp32) of one tile; -inf past the vocabulary."""
+    """Final logits [BLOCK_N, BLOCK_V] (ACC_DTYPE) of one tile; -inf past the vocabulary."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = offs_v < vocab_size
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)  # [BLOCK_N, BLOCK_V]
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=ACC_DTYPE)  # [BLOCK_N, BLOCK_V]
     if USE_TMA:
         # Out-of-range rows, columns and the K tail are zero-filled by the copy engine.
         for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
@@ -154,7 +169,7 @@ def _tile_logits(
             w_ptrs += BLOCK_K * stride_wk
     logits = acc
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(ACC_DTYPE)
         logits = logits + bias[None, :]
     logits = logits * logit_scale
     if HAS_SOFTCAP:
@@ -180,6 +195,8 @@ def _logit_tile_kernel(
     loss_grad_ptr,  # [n_rows] fp32                        (mode 2)
     lse_grad_ptr,  # [n_rows] fp32                         (mode 2, HAS_LSE_GRAD)
     row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3)
+    class_weight_ptr,  # [V] fp32 class weights             (HAS_CLASS_WEIGHT)
+    smooth_grad_ptr,  # [n_rows] fp32                      (mode 2, HAS_CLASS_WEIGHT)
     # sizes
     n_rows,
     vocab_size,
@@ -212,6 +229,8 @@ def _logit_tile_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr = False,  # class-weighted label smoothing
+    ACC_DTYPE: tl.constexpr = tl.float32,  # of the logits and statistics (fp64 for fp64 inputs)
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
@@ -234,7 +253,7 @@ def _logit_tile_kernel(
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
-            HAS_BIAS, HAS_SOFTCAP, USE_TMA, EVEN_K, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K,
+            HAS_BIAS, HAS_SOFTCAP, USE_TMA, EVEN_K, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
         )  # [BLOCK_N, BLOCK_V]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -250,11 +269,16 @@ def _logit_tile_kernel(
             lse_grad = loss_grad
             if HAS_LSE_GRAD:
                 lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+            class_weight = lse  # a placeholder without HAS_CLASS_WEIGHT
+            smooth_grad = loss_grad
+            if HAS_CLASS_WEIGHT:
+                class_weight = tl.load(class_weight_ptr + offs_v, mask=col_mask, other=0.0)
+                smooth_grad = tl.load(smooth_grad_ptr + offs_n, mask=row_mask, other=0.0)
             probs = tl.exp(logits - lse[:, None])
             tile_out = _grad_logits(
-                probs, logits, is_target, lse, loss_grad, lse_grad, inv_vocab_size,
+                probs, logits, is_target, lse, loss_grad, lse_grad, class_weight, smooth_grad, inv_vocab_size,
                 logit_scale, softcap, label_smoothing, z_loss_scale,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD, HAS_CLASS_WEIGHT,
             )
         else:
             # ---- tile statistics ----------------------------------------------------------
@@ -276,7 +300,11 @@ def _logit_tile_kernel(
                 argmax = tl.min(tl.where(is_max, offs_v[None, :], 2147483647), axis=1)
                 tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
             if HAS_SMOOTHING:
-                logit_sum = tl.sum(tl.where(col_mask[None, :], logits, 0.0), axis=1)
+                summed = logits
+                if HAS_CLASS_WEIGHT:  # sum_j w_j z_j
+                    class_weight = tl.load(class_weight_ptr + offs_v, mask=col_mask, other=0.0)
+                    summed = logits * class_weight[None, :]
+                logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
             target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
             has_target = (targets >= pid_v * BLOCK_V) & (targets < tl.minimum(pid_v * BLOCK_V + BLOCK_V, vocab_size))
@@ -317,6 +345,7 @@ def _combine_tiles_kernel(
     ROW_REFERENCE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    ACC_DTYPE: tl.constexpr = tl.float32,  # of the statistics (fp64 for fp64 inputs)
 ):
     """Merges the per-tile statistics of each row, in tile order (deterministic). The tiles'
     sums are relative to their tile max, or with ROW_REFERENCE to ``_exp_reference``'s."""
@@ -326,7 +355,7 @@ def _combine_tiles_kernel(
 
     # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
     # end: fewer shuffles, and a loop shape the compiler handles well.
-    running_max = tl.full((BLOCK_R, BLOCK_T), float("-inf"), tl.float32)
+    running_max = tl.full((BLOCK_R, BLOCK_T), float("-inf"), ACC_DTYPE)
     for t in range(0, num_tiles, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
@@ -338,9 +367,9 @@ def _combine_tiles_kernel(
     if ROW_REFERENCE:
         row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
 
-    sum_exp = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
-    entropy_term = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
-    logit_sum = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+    sum_exp = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+    entropy_term = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+    logit_sum = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
     argmax = tl.full((BLOCK_R, BLOCK_T), 2147483647, tl.int32)
     for t in range(0, num_tiles, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
@@ -486,9 +515,9 @@ def _grad_from_shifted_kernel(
         probs = tl.exp(shifted + (tile_max - lse)[:, None])
         is_target = offs_v[None, :] == targets[:, None]
         grad = _grad_logits(
-            probs, logits, is_target, lse, loss_grad, loss_grad, inv_vocab_size,
+            probs, logits, is_target, lse, loss_grad, loss_grad, loss_grad, loss_grad, inv_vocab_size,
             logit_scale, softcap, label_smoothing, z_loss_scale,
-            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, False,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, False, False,
         )
         grad = tl.where(mask, grad, 0.0)
         tl.store(ptrs, grad.to(buffer_ptr.dtype.element_ty), mask=mask)

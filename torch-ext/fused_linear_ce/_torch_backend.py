@@ -2,12 +2,12 @@
 
 Used for CPU tensors outside the Triton interpreter, so that a training script runs on a
 laptop or in CI. A chunk's logits are computed whole in fp32 ([rows, V], the bounded
-buffer), never the (N, V) matrix.
+buffer; fp64 for fp64 inputs), never the (N, V) matrix.
 """
 
 import torch
 
-from ._options import LossOptions, RowResults, RowStats, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1) -> int:
@@ -18,15 +18,16 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The per-chunk buffer [rows, V]: fp32 logits."""
-    return torch.empty((rows, vocab_size), dtype=torch.float32, device=device)
+    """The per-chunk buffer [rows, V]: fp32 logits (fp64 for fp64 inputs)."""
+    return torch.empty((rows, vocab_size), dtype=accumulation_dtype(dtype), device=device)
 
 
 def _logits(hidden, weight, bias, opts: LossOptions) -> torch.Tensor:
-    """Final fp32 logits z [rows, V] of a chunk."""
-    logits = hidden.float() @ weight.float().T
+    """Final fp32 (fp64 for fp64 inputs) logits z [rows, V] of a chunk."""
+    acc_dtype = accumulation_dtype(hidden.dtype)
+    logits = hidden.to(acc_dtype) @ weight.to(acc_dtype).T
     if bias is not None:
-        logits += bias.float()
+        logits += bias.to(acc_dtype)
     logits *= opts.logit_scale
     if opts.has_softcap:
         logits = opts.softcap * torch.tanh(logits / opts.softcap)
@@ -38,9 +39,11 @@ def _safe(row_max: torch.Tensor) -> torch.Tensor:
     return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
 
 
-def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None):
+def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
+              class_weight=None):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` also keeps the logits.
-    (``row_ref`` and ``loss_grad`` belong to the factored gradient, which this backend never takes.)"""
+    ``class_weight`` [V] (with label smoothing only) weights the logit sum. (``row_ref`` and
+    ``loss_grad`` belong to the factored gradient, which this backend never takes.)"""
     logits = _logits(hidden, weight, bias, opts)
     if shifted_out is not None:
         shifted_out.copy_(logits)
@@ -60,7 +63,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         stats.entropy_term = terms.sum(dim=1)
         stats.argmax = logits.argmax(dim=1)
     if opts.has_smoothing:
-        stats.logit_sum = logits.sum(dim=1)
+        stats.logit_sum = (logits if class_weight is None else logits * class_weight).sum(dim=1)
     return stats, None
 
 
@@ -84,7 +87,8 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
         out.entropy.copy_(torch.where(valid, entropy, torch.zeros_like(entropy)))
 
 
-def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptions) -> torch.Tensor:
+def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptions, class_weight=None,
+                      smooth_grad=None) -> torch.Tensor:
     """d out / d u [rows, V] in fp32 from the final logits z (see ``_kernels`` for the maths)."""
     vocab_size = logits.shape[1]
     probs = (logits - lse[:, None]).exp()
@@ -98,7 +102,9 @@ def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptio
     in_range = (targets >= 0) & (targets < vocab_size)
     index = targets.clamp(0, vocab_size - 1).long()[:, None]
     grad.scatter_add_(1, index, -torch.where(in_range, target_coef, torch.zeros_like(target_coef))[:, None])
-    if opts.has_smoothing:
+    if opts.has_smoothing and class_weight is not None:
+        grad -= (smooth_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size)))[:, None] * class_weight
+    elif opts.has_smoothing:
         grad -= (loss_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size)))[:, None]
     if opts.has_softcap:
         grad *= 1.0 - (logits / opts.softcap) ** 2
@@ -133,9 +139,12 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     return grad
 
 
-def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc):
-    """Recomputes a chunk's logits and returns its grad logits [rows, V] (lse known)."""
-    grad = _grad_from_logits(_logits(hidden, weight, bias, opts), targets, lse, loss_grad, lse_grad, opts)
+def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
+                class_weight=None, smooth_grad=None):
+    """Recomputes a chunk's logits and returns its grad logits [rows, V] (lse known); with label
+    smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight the smoothing term."""
+    grad = _grad_from_logits(_logits(hidden, weight, bias, opts), targets, lse, loss_grad, lse_grad, opts,
+                             class_weight, smooth_grad)
     if bias_grad_acc is not None:
         bias_grad_acc += grad.sum(dim=0)
     return grad

@@ -76,7 +76,9 @@ def causal_lm_loss(
         logit_scale, softcap: see above.
         return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32,
             "num_valid_tokens": int64}``, 0-d sums over the non-ignored positions (see
-            ``token_metrics`` to turn them into accuracy and mean entropy across ranks).
+            ``token_metrics`` to turn them into accuracy and mean entropy across ranks), and
+            ``"predictions"``, the argmax at each scored position (int64, the labels' shape, -1
+            where the label is ignored).
         label_smoothing, z_loss_scale: passed to ``fused_linear_cross_entropy`` (0 = off).
         return_lse: also return the per-position ``logsumexp(z)``, float32 of the targets' shape.
 
@@ -105,7 +107,8 @@ def causal_lm_loss(
             num_items_in_batch = num_items_in_batch.to(out[0].device)
         out[0] = out[0] / num_items_in_batch
     if return_metrics:
-        out[1] = {**out[1], "num_valid_tokens": (targets != ignore_index).sum()}
+        out[1] = {**out[1], "num_valid_tokens": (targets != ignore_index).sum(),
+                  "predictions": out[1]["predictions"].reshape(shift_labels.shape)}
     if return_lse:
         out[-1] = out[-1].reshape(shift_labels.shape)
     return out[0] if len(out) == 1 else tuple(out)

@@ -1,16 +1,20 @@
 """The public function: argument checks, shapes, and the choice of the gradient path."""
 
 import math
+import operator
 import os
 
 import torch
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
-from ._ops import forward_op
+from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
+from ._options import accumulation_dtype
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _REDUCTIONS = ("mean", "sum", "none")
+_INT32 = torch.iinfo(torch.int32)
+_INT64 = torch.iinfo(torch.int64)
 
 
 def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale):
@@ -18,7 +22,7 @@ def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction
         if not isinstance(value, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
     if hidden.dim() < 1:
         raise ValueError("hidden must have shape (..., H), got a 0-d tensor")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -54,24 +58,67 @@ def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction
         raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
 
 
+def _checked_ignore_index(ignore_index) -> int:
+    try:
+        value = None if isinstance(ignore_index, bool) else operator.index(ignore_index)
+    except TypeError:
+        value = None
+    if value is None or not _INT64.min <= value <= _INT64.max:
+        raise ValueError(f"ignore_index must be an integer in the int64 range, got {ignore_index!r}")
+    return value
+
+
+def _check_class_weight(class_weight, vocab_size: int, hidden: Tensor) -> None:
+    if not isinstance(class_weight, Tensor):
+        raise TypeError(f"class_weight must be a torch.Tensor or None, got {type(class_weight).__name__}")
+    if class_weight.shape != (vocab_size,):
+        raise ValueError(f"class_weight must have shape ({vocab_size},) (the whole vocabulary), "
+                         f"got {tuple(class_weight.shape)}")
+    if not class_weight.is_floating_point():
+        raise TypeError(f"class_weight must be a floating-point tensor, got {class_weight.dtype}")
+    if class_weight.device != hidden.device:
+        raise ValueError(f"class_weight is on {class_weight.device} but hidden is on {hidden.device}")
+    if class_weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("class_weight takes no gradient (as in F.cross_entropy): pass class_weight.detach()")
+
+
 def _autocast(hidden, weight, bias):
     """Under torch.autocast, the inputs take the autocast dtype, as F.linear's would (the
-    loss itself is accumulated in fp32 regardless)."""
+    loss itself is accumulated in fp32 regardless); float64 ones stay, as autocast leaves them."""
     device_type = hidden.device.type if isinstance(hidden, Tensor) else "cpu"
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(t):
-        return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+        eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
 
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _targets_checked() -> bool:
+def _under_functorch() -> bool:
+    """True inside a torch.func transform (grad, vjp, jacrev, vmap, ...)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _check_no_dual(*tensors) -> None:
+    """Forward-mode AD (torch.autograd.forward_ad) is not supported: refused rather than the
+    tangents silently dropped."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(FORWARD_AD_ERROR)
+
+
+def _targets_checked(targets: Tensor) -> bool:
     # The range check waits on the host for a flag: skipped while tracing or capturing a CUDA
-    # graph, and when FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
+    # graph, when vmap batches the targets (a data-dependent branch per sample), and when
+    # FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
     if os.environ.get("FLCE_CHECK_TARGETS", "1") == "0" or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(targets):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
@@ -119,6 +166,7 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     return_lse: bool = False,
+    class_weight: Tensor | None = None,
     process_group: "torch.distributed.ProcessGroup | None" = None,
     vocab_start: int | None = None,
 ):
@@ -126,27 +174,36 @@ def fused_linear_cross_entropy(
 
     The logits are ``z = (hidden @ weight.T + bias) * logit_scale``, then
     ``softcap * tanh(z / softcap)`` when ``softcap`` is set; the loss equals
-    ``F.cross_entropy(z.float(), targets, ignore_index=..., reduction=...,
-    label_smoothing=...)``, plus ``z_loss_scale * logsumexp(z)**2`` per non-ignored row.
+    ``F.cross_entropy(z.float(), targets, weight=class_weight, ignore_index=...,
+    reduction=..., label_smoothing=...)``, plus ``z_loss_scale * logsumexp(z)**2`` per
+    non-ignored row (times its target's class weight).
 
     Args:
-        hidden: (..., H) float32, bfloat16 or float16.
+        hidden: (..., H) float32, bfloat16, float16 or float64.
         weight: (V, H), hidden's dtype.
-        targets: hidden's leading shape, int64 (or int32); ``ignore_index`` marks rows
-            without a loss.
+        targets: hidden's leading shape, int64 (or int32, compared in int64); ``ignore_index``
+            marks rows without a loss.
         bias: (V,) in hidden's dtype, or None.
         ignore_index: target value of ignored rows.
         logit_scale: multiplies the logits (before the softcap).
         softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``.
-        reduction: "mean" (over non-ignored rows; NaN when all are ignored, as PyTorch),
-            "sum", or "none" (float32 of targets' shape, 0 at ignored rows).
-        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32}``,
-            sums over non-ignored rows of (argmax == target) and of the softmax entropy in
-            nats, forward-only. The loss and gradients are bit-identical either way.
+        reduction: "mean" (over non-ignored rows, or weighted by ``class_weight``; NaN when all
+            are ignored, as PyTorch), "sum", or "none" (float32 of targets' shape, 0 at ignored
+            rows).
+        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32,
+            "predictions": int64}``: sums over non-ignored rows of (argmax == target) and of the
+            softmax entropy in nats, and the argmax of each row (targets' shape, -1 at ignored rows); with
+            reduction "none" also per row ``"correct_tokens"`` (bool, False at ignored rows) and
+            ``"entropy"`` (float32, 0 at ignored rows). Forward-only, unweighted by
+            ``class_weight``; the loss and gradients are bit-identical either way.
         label_smoothing: PyTorch's label smoothing, in [0, 1].
         z_loss_scale: weight of the z-loss ``logsumexp(z)**2`` (PaLM), >= 0.
         return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
             which receives gradients too.
+        class_weight: (V,) of the whole vocabulary (every rank passes all of it under
+            ``process_group``), any float dtype, or None: ``F.cross_entropy``'s ``weight``. Row i
+            counts w[t_i] times (its z-loss too) and a mean divides by the sum of w[t_i] over the
+            non-ignored rows; label smoothing combines with it as in PyTorch. No gradient.
         process_group: vocabulary parallelism. ``weight`` (and ``bias``) hold this rank's
             contiguous slice of the vocabulary's rows; ``hidden`` and ``targets`` (global
             indices) are the same on every rank. Every rank gets the loss and metrics of the
@@ -157,6 +214,7 @@ def fused_linear_cross_entropy(
 
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
+        float64 inputs give float64 loss, lse and entropy.
 
     Under ``torch.autocast`` the three take the autocast dtype first, as ``F.linear``'s
     inputs would; outside it they must share one dtype.
@@ -164,47 +222,78 @@ def fused_linear_cross_entropy(
     Gradients reach ``hidden``, ``weight`` and ``bias``. When they are needed and the
     reduction is "mean" or "sum" (without ``return_lse``), they are computed during the
     forward and only scaled by the backward, so call it under ``torch.no_grad()`` when no
-    backward will follow.
+    backward will follow. The gradients are not differentiable: a backward with
+    ``create_graph=True`` (e.g. for a gradient penalty) raises a ``RuntimeError``, and so does a
+    grad of a grad under ``torch.func``. An in-place change of ``hidden``, ``weight``,
+    ``targets`` or ``class_weight`` before the backward raises there, as with ``F.linear`` +
+    ``F.cross_entropy``.
+
+    Under ``torch.func`` transforms, ``grad``, ``grad_and_value``, ``vjp``, ``jacrev`` and
+    ``vmap`` (and their compositions, e.g. per-sample gradients) work, with the gradients
+    recomputed in the backward; forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) raises.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
+    ignore_index = _checked_ignore_index(ignore_index)
+    _check_no_dual(hidden, weight, bias)
     vocab_size, hidden_size = weight.shape
+    functorch = _under_functorch()
     group_name, total_vocab_size = None, vocab_size
     if process_group is not None:
+        if functorch:
+            raise RuntimeError("fused_linear_cross_entropy does not support process_group under torch.func "
+                               "transforms (grad, vjp, jacrev, vmap)")
         layout_start, total_vocab_size = vocabulary_layout(process_group, vocab_size, weight.device)
         vocab_start = layout_start if vocab_start is None else int(vocab_start)
         group_name = process_group.group_name
     elif vocab_start is not None:
         raise ValueError("vocab_start needs a process_group")
+    if class_weight is not None:
+        _check_class_weight(class_weight, total_vocab_size, hidden)
+        class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
+    if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
+        targets = targets.long()  # no int32 target equals this ignore_index: compare in int64
     # The targets' range flag is queued first and read once the loss's work is queued behind
     # it: the host never waits for the loss itself, so the GPU does not idle at the check.
-    target_check = _start_target_check(targets, total_vocab_size, ignore_index) if _targets_checked() else None
+    target_check = (_start_target_check(targets, total_vocab_size, ignore_index) if _targets_checked(targets)
+                    else None)
 
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
     if bias is not None:
         bias = bias.contiguous()
-    grad_wanted = torch.is_grad_enabled()
-    needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
-    # them; otherwise recomputed in the backward (8 N V H flops in all).
-    in_forward = any(needs) and reduction != "none" and not return_lse
-    loss, lse, num_correct, entropy_sum, *_ = forward_op(
-        hidden_2d, weight, targets_1d, bias,
-        int(ignore_index), float(logit_scale), None if softcap is None else float(softcap),
-        float(label_smoothing), float(z_loss_scale), total_vocab_size, group_name, int(vocab_start or 0),
-        reduction, bool(return_metrics),
-        *(in_forward and n for n in needs),
-        bool(return_lse),
-    )
+    options = (int(ignore_index), float(logit_scale), None if softcap is None else float(softcap),
+               float(label_smoothing), float(z_loss_scale), total_vocab_size, group_name, int(vocab_start or 0))
+    if functorch:
+        loss, lse, num_correct, entropy_sum, prediction, correct, entropy = FunctorchLoss.apply(
+            hidden_2d, weight, targets_1d, bias, class_weight, options, reduction, bool(return_metrics))
+    else:
+        grad_wanted = torch.is_grad_enabled()
+        needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+        # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
+        # them; otherwise recomputed in the backward (8 N V H flops in all). float64 (for
+        # verification: gradcheck backpropagates more than once) and class-weighted label
+        # smoothing always recompute.
+        in_forward = (any(needs) and reduction != "none" and not return_lse and hidden.dtype != torch.float64
+                      and not (class_weight is not None and label_smoothing != 0))
+        loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = forward_op(
+            hidden_2d, weight, targets_1d, bias, class_weight, *options, reduction, bool(return_metrics),
+            *(in_forward and n for n in needs),
+            bool(return_lse),
+        )
     if target_check is not None:
         _finish_target_check(target_check, targets, total_vocab_size, ignore_index)
     if reduction == "none":
         loss = loss.reshape(leading_shape)
     outputs = [loss]
     if return_metrics:
-        outputs.append({"num_correct_tokens": num_correct, "entropy_sum": entropy_sum})
+        metrics = {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum,
+                   "predictions": prediction.reshape(leading_shape)}
+        if reduction == "none":
+            metrics["correct_tokens"] = correct.reshape(leading_shape)
+            metrics["entropy"] = entropy.reshape(leading_shape)
+        outputs.append(metrics)
     if return_lse:
         outputs.append(lse.reshape(leading_shape))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
