@@ -147,7 +147,7 @@ def _tile_logits(
         for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
             h = hidden_ptr.load([pid_n * BLOCK_N, k * BLOCK_K])  # [BLOCK_N, BLOCK_K]
             w = weight_ptr.load([pid_v * BLOCK_V, k * BLOCK_K])  # [BLOCK_V, BLOCK_K]
-            acc = tl.dot(h, w.T, acc, input_precision=INPUT_PRECISION)
+            acc = tl.dot(h, w.T, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
     else:
         # Wrap out-of-range rows and columns onto valid ones so that only K needs a mask;
         # their results are discarded. Offsets in int64: n * H and v * H can pass 2^31.
@@ -164,7 +164,7 @@ def _tile_logits(
                 k_mask = offs_k < hidden_size - k * BLOCK_K
                 h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
             h_ptrs += BLOCK_K * stride_hk
             w_ptrs += BLOCK_K * stride_wk
     logits = acc
