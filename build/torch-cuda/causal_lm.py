@@ -13,6 +13,7 @@ Python dependencies.
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -252,12 +253,12 @@ def fused_forward(
     backbone = model.base_model
     outputs = backbone(**inputs)
     hidden = outputs.last_hidden_state
-    lm_head = model.get_output_embeddings()
-    result = causal_lm_loss(
-        hidden, lm_head.weight, labels, lm_head.bias, num_items_in_batch, ignore_index, shift_labels,
-        **logit_options(model.config), return_metrics=return_metrics,
+    loss = functools.partial(
+        causal_lm_loss, labels=labels, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+        shift_labels=shift_labels, **logit_options(model.config), return_metrics=return_metrics,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
     )
+    result = _output_head_loss(model.get_output_embeddings(), hidden, loss)
     result = list(result) if isinstance(result, tuple) else [result]
     return FusedCausalLMOutput(
         loss=result[0],
@@ -267,6 +268,28 @@ def fused_forward(
         metrics=result[1] if return_metrics else None,
         lse=result[-1] if return_lse else None,
     )
+
+
+def _output_head_loss(lm_head, hidden: Tensor, loss: Callable):
+    """``loss(hidden, lm_head_weight=..., lm_head_bias=...)`` with lm_head's parameters as its forward sees them.
+
+    An FSDP2 unit (``fully_shard(lm_head)``, or a group with the tied embedding) holds them sharded
+    outside its forward: FSDP2's ``register_fsdp_forward_method`` runs a method of the unit between its
+    pre- and post-forward hooks, as ``lm_head(hidden)`` would run (all-gather before, reshard after; in
+    the backward, all-gather again and reduce-scatter the gradients). A DTensor weight of tensor
+    parallelism (``ColwiseParallel``) is read as is: the loss takes it as vocabulary parallelism.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
+    if fsdp is None or not isinstance(lm_head, getattr(fsdp, "FSDPModule", ())):
+        return loss(hidden, lm_head_weight=lm_head.weight, lm_head_bias=lm_head.bias)
+    if "_flce_loss" not in vars(lm_head):
+        lm_head._flce_loss = types.MethodType(_loss_of_parameters, lm_head)
+        fsdp.register_fsdp_forward_method(lm_head, "_flce_loss")
+    return lm_head._flce_loss(hidden, loss)
+
+
+def _loss_of_parameters(module, hidden: Tensor, loss: Callable):
+    return loss(hidden, lm_head_weight=module.weight, lm_head_bias=module.bias)
 
 
 def patch_forward(model, *, when_training: bool = True):

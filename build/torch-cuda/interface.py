@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
+from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import forward_op
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -155,6 +156,11 @@ def fused_linear_cross_entropy(
         vocab_start: index of this rank's first vocabulary row; by default the slices are
             taken to lie in rank order (found with one all-gather, cached).
 
+    DTensor inputs: ``weight`` (and ``bias``) placed ``Shard(0)`` on a 1-D device mesh, with
+    ``hidden`` and ``targets`` plain or ``Replicate()`` on that mesh, is vocabulary parallelism
+    over the mesh (group and ``vocab_start`` from the placement); ``weight.grad`` comes back
+    sharded as ``weight``. Other placements raise a ``ValueError``.
+
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
 
@@ -166,6 +172,13 @@ def fused_linear_cross_entropy(
     forward and only scaled by the backward, so call it under ``torch.no_grad()`` when no
     backward will follow.
     """
+    if has_dtensor(hidden, weight, targets, bias):
+        return dtensor_loss(
+            fused_linear_cross_entropy, hidden, weight, targets, bias, ignore_index, logit_scale, softcap,
+            reduction, return_metrics, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
+            return_lse=return_lse, process_group=process_group, vocab_start=vocab_start,
+            check_targets=_targets_checked(),
+        )
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     vocab_size, hidden_size = weight.shape
