@@ -20,7 +20,6 @@ import torch.distributed as dist
 from _tiny import logits_metrics, tiny_batch, tiny_causal_lm
 
 STEPS = 3
-BATCH = 4  # rows of the whole batch; row 0 has a masked prompt, row 1 padding (tiny_batch)
 LEARNING_RATE = 1e-2
 ENGINES = {  # engine -> tiny_causal_lm arch
     "fsdp2": "llama",  # every decoder layer and lm_head a unit of their own, then the root
@@ -30,9 +29,10 @@ ENGINES = {  # engine -> tiny_causal_lm arch
 }
 
 
-def _batches(arch: str, device) -> list[dict]:
+def _batches(arch: str, device, rows: int) -> list[dict]:
+    """Each step's whole batch: ``rows`` sequences, row 0 with a masked prompt, row 1 padded."""
     model = tiny_causal_lm(arch)
-    batches = [tiny_batch(model, batch=BATCH, seed=step) for step in range(STEPS)]
+    batches = [tiny_batch(model, batch=rows, seed=step) for step in range(STEPS)]
     return [{k: v.to(device) for k, v in b.items()} for b in batches]
 
 
@@ -42,13 +42,13 @@ def _optimizer(model):
 
 
 @functools.cache
-def train_reference(arch: str, device) -> tuple[list[dict], dict]:
+def train_reference(arch: str, device, rows: int) -> tuple[list[dict], dict]:
     """One process, the unpatched model on the whole batch: per step the loss, token accuracy and
     mean entropy (from the logits, float64), and the final parameters by name."""
     model = tiny_causal_lm(arch).to(device)
     optimizer = _optimizer(model)
     history = []
-    for batch in _batches(arch, device):
+    for batch in _batches(arch, device, rows):
         out = model(**batch)
         out.loss.backward()
         optimizer.step()
@@ -78,10 +78,14 @@ def _wrap(engine: str, model, device):
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=None if device == "cpu" else [device]), True
+        return DistributedDataParallel(model, device_ids=None if device == "cpu" else [torch.device(device)]), True
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(use_local_output=False)}), False
+
+
+def _rows(world: int) -> int:
+    return 2 * max(world, 2)  # two sequences a rank, unequal valid counts (prompt, padding)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +104,7 @@ def train_engine(flce, engine: str, device) -> tuple[list[dict], dict, list[dict
     wrapped, split_batch = _wrap(engine, model, device)
     optimizer = _optimizer(wrapped)
     history, collectives = [], []
-    for batch in _batches(arch, device):
+    for batch in _batches(arch, device, _rows(world)):
         num_items = (batch["labels"][:, 1:] != -100).sum()  # the whole batch's, as the HF Trainer counts
         if split_batch:
             batch = {k: v.tensor_split(world)[rank] for k, v in batch.items()}
@@ -124,7 +128,7 @@ def train_engine(flce, engine: str, device) -> tuple[list[dict], dict, list[dict
 def check_engine(flce, engine: str, device="cpu") -> None:
     """``train_engine`` against ``train_reference``, with fp32 tolerances."""
     history, params, collectives = train_engine(flce, engine, device)
-    ref_history, ref_params = train_reference(ENGINES[engine], device)
+    ref_history, ref_params = train_reference(ENGINES[engine], device, _rows(dist.get_world_size()))
     # fp32 sums over another grouping of the tokens (per rank, per vocabulary slice, fused);
     # on a GPU, fp32 matmuls and the kernel's 3xTF32 products
     rel = 1e-5 if device == "cpu" else 1e-4

@@ -273,19 +273,25 @@ def fused_forward(
 def _output_head_loss(lm_head, hidden: Tensor, loss: Callable):
     """``loss(hidden, lm_head_weight=..., lm_head_bias=...)`` with lm_head's parameters as its forward sees them.
 
-    An FSDP2 unit (``fully_shard(lm_head)``, or a group with the tied embedding) holds them sharded
-    outside its forward: FSDP2's ``register_fsdp_forward_method`` runs a method of the unit between its
-    pre- and post-forward hooks, as ``lm_head(hidden)`` would run (all-gather before, reshard after; in
-    the backward, all-gather again and reduce-scatter the gradients). A DTensor weight of tensor
-    parallelism (``ColwiseParallel``) is read as is: the loss takes it as vocabulary parallelism.
+    An FSDP2 unit (``fully_shard(lm_head)``, or ``fully_shard([embed_tokens, lm_head])`` when tied)
+    holds them sharded outside its forward. The loss then runs as lm_head's forward, called as the
+    model's own forward calls it: FSDP2's hooks around the call gather the parameters before it and
+    reshard them after (and, in the backward, gather them again and reduce-scatter their gradients),
+    as for the logits. A DTensor weight of tensor parallelism (``ColwiseParallel``) is read as is:
+    the loss takes it as vocabulary parallelism.
     """
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
     if fsdp is None or not isinstance(lm_head, getattr(fsdp, "FSDPModule", ())):
         return loss(hidden, lm_head_weight=lm_head.weight, lm_head_bias=lm_head.bias)
-    if "_flce_loss" not in vars(lm_head):
-        lm_head._flce_loss = types.MethodType(_loss_of_parameters, lm_head)
-        fsdp.register_fsdp_forward_method(lm_head, "_flce_loss")
-    return lm_head._flce_loss(hidden, loss)
+    own_forward = vars(lm_head).get("forward")  # an instance's forward (accelerate's hooks), if any
+    lm_head.forward = functools.partial(_loss_of_parameters, lm_head, loss=loss)
+    try:
+        return lm_head(hidden)
+    finally:
+        if own_forward is None:
+            del lm_head.forward
+        else:
+            lm_head.forward = own_forward
 
 
 def _loss_of_parameters(module, hidden: Tensor, loss: Callable):
