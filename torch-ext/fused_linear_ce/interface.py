@@ -159,7 +159,7 @@ def fused_linear_cross_entropy(
     DTensor inputs: ``weight`` (and ``bias``) placed ``Shard(0)`` on a 1-D device mesh, with
     ``hidden`` and ``targets`` plain or ``Replicate()`` on that mesh, is vocabulary parallelism
     over the mesh (group and ``vocab_start`` from the placement); ``weight.grad`` comes back
-    sharded as ``weight``. Other placements raise a ``ValueError``.
+    sharded as ``weight``. Other layouts raise an error that says what is supported.
 
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
