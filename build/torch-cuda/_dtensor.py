@@ -7,7 +7,8 @@ group, with ``vocab_start`` from the coordinate, and ``hidden`` and ``targets`` 
 every rank: plain tensors, or DTensors placed ``Replicate()`` on that mesh. The local tensors
 take the plain path; ``DTensor.to_local`` carries the gradients back as DTensors of the inputs'
 placements (weight.grad sharded by rows, hidden.grad replicated). The outputs are plain
-tensors, or ``Replicate()`` DTensors when ``hidden`` is a DTensor.
+tensors, or ``Replicate()`` DTensors when ``hidden`` is a DTensor. Whether the ranks hold the
+same targets is checked (one all-reduce of a fingerprint) whenever the targets' range is.
 """
 
 import sys
