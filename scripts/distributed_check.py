@@ -1,4 +1,5 @@
-"""The vocabulary-parallel checks of tests/test_distributed.py over NCCL, one process a GPU,
+"""The vocabulary-parallel checks of tests/test_distributed.py (DTensor weights included) and
+the FSDP2/DDP/tensor-parallel training checks of tests/_engines.py over NCCL, one process a GPU,
 then the throughput of issue 5 item 6 on the Llama-3 head (bf16, N = 8192, LM-like inputs):
 one rank's sharded training step against the unsharded step on one GPU divided by P, plus
 the same all-reduces timed alone.
@@ -105,8 +106,9 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
+    from _engines import ENGINES, check_engine
     from kernels import get_kernel
-    from test_distributed import CASES, _check_case, _check_data_parallel, _check_metrics_bit_identity
+    from test_distributed import CASES, _check_case, _check_data_parallel, _check_dtensor, _check_metrics_bit_identity
 
     flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
     results = []
@@ -119,12 +121,18 @@ def main() -> None:
         except Exception:
             results.append({"case": case, "ok": False, "error": traceback.format_exc()[-800:]})
     os.environ.pop("FLCE_CHUNK_ROWS")
-    for check in (_check_metrics_bit_identity, _check_data_parallel):
+    for check in (_check_metrics_bit_identity, _check_data_parallel, _check_dtensor):
         try:
             check(flce, rank, world, device=f"cuda:{local_rank}")
             results.append({"case": check.__name__, "ok": True})
         except Exception:
             results.append({"case": check.__name__, "ok": False, "error": traceback.format_exc()[-800:]})
+    for engine in ENGINES:  # a patched tiny Llama trained in FSDP2, DDP, tensor parallelism (fp32)
+        try:
+            check_engine(flce, engine, device=f"cuda:{local_rank}")
+            results.append({"case": f"engine {engine}", "ok": True})
+        except Exception:
+            results.append({"case": f"engine {engine}", "ok": False, "error": traceback.format_exc()[-800:]})
     timing = throughput(flce, rank, world)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)

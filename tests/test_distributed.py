@@ -75,6 +75,7 @@ def _worker(rank, world, port, error_file):
         os.environ["TRITON_INTERPRET"] = "0"
         _check_metrics_bit_identity(flce, rank, world)
         _check_data_parallel(flce, rank, world)
+        _check_dtensor(flce, rank, world)
     except BaseException:
         with open(error_file, "a") as f:
             f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
@@ -137,6 +138,73 @@ def _check_data_parallel(flce, rank, world, device="cpu"):
     assert int(sums[0]) == int(ref_metrics["num_correct_tokens"]) and int(sums[2]) == int(num_items)
     torch.testing.assert_close(sums[1] / sums[2], ref_metrics["entropy_sum"].double() / num_items,
                                rtol=tol["rtol"], atol=0)
+
+
+def _check_dtensor(flce, rank, world, device="cpu"):
+    """DTensor inputs: weight and bias placed Shard(0) on a 1-D mesh (torch.chunk's split, uneven
+    for 67 rows over 2 or 3 ranks) are vocabulary parallelism, with hidden plain or Replicate;
+    weight.grad comes back sharded, outputs follow hidden's kind; other layouts raise."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    torch.manual_seed(3)  # the same inputs on every rank
+    n, hidden_size, vocab = 23, 24, 67
+    hidden, weight, bias = torch.randn(n, hidden_size), torch.randn(vocab, hidden_size) * 0.5, torch.randn(vocab)
+    targets = torch.randint(0, vocab, (n,))
+    targets[::4] = -100
+    # fp32 arithmetic against float64 (on a GPU, 3xTF32 products)
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-4, atol=1e-5)
+    for case in (dict(reduction="mean", return_metrics=True, label_smoothing=0.1),
+                 dict(reduction="none", return_lse=True, return_metrics=True)):
+        replicated_hidden = case["reduction"] == "none"
+        w = distribute_tensor(weight.to(device), mesh, [Shard(0)]).requires_grad_()
+        b = distribute_tensor(bias.to(device), mesh, [Shard(0)]).requires_grad_()
+        h = hidden.to(device)
+        h = (distribute_tensor(h, mesh, [Replicate()]) if replicated_hidden else h.clone()).requires_grad_()
+        out = flce.fused_linear_cross_entropy(h, w, targets.to(device), b, **case)
+        loss, metrics, lse = out if case.get("return_lse") else (*out, None)
+        assert isinstance(loss, DTensor) == replicated_hidden
+        if replicated_hidden:
+            assert loss.placements == (Replicate(),) and lse.placements == (Replicate(),)
+            loss, lse, metrics = loss.to_local(), lse.to_local(), {k: v.to_local() for k, v in metrics.items()}
+        grad_out = torch.linspace(0.5, 1.5, n) if replicated_hidden else torch.tensor(0.7)
+        total = (loss * grad_out.to(device)).sum() + (lse.sum() * 0.3 if lse is not None else 0)
+        total.backward()
+        assert isinstance(w.grad, DTensor) and w.grad.placements == (Shard(0),)
+        assert isinstance(b.grad, DTensor) and b.grad.placements == (Shard(0),)
+        if replicated_hidden:
+            assert h.grad.placements == (Replicate(),)
+
+        ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
+        ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
+        ref_total.backward()
+        torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **tol)
+        assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
+        torch.testing.assert_close(metrics["entropy_sum"].double().cpu(), ref_metrics["entropy_sum"].detach(), **tol)
+        if lse is not None:
+            torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), **tol)
+        grad_hidden = h.grad.full_tensor() if replicated_hidden else h.grad
+        torch.testing.assert_close(grad_hidden.double().cpu(), rh.grad, **tol)
+        torch.testing.assert_close(w.grad.full_tensor().double().cpu(), rw.grad, **tol)
+        torch.testing.assert_close(b.grad.full_tensor().double().cpu(), rb.grad, **tol)
+
+    w = distribute_tensor(weight.to(device), mesh, [Shard(0)])
+    h, t = hidden.to(device), targets.to(device)
+    bad = [
+        (dict(weight=distribute_tensor(weight.to(device), mesh, [Replicate()])), ValueError, r"placed \(Replicate"),
+        (dict(weight=distribute_tensor(weight.to(device), mesh, [Shard(1)])), ValueError, r"\(Shard\(0\),\)"),
+        (dict(hidden=distribute_tensor(h, mesh, [Shard(0)])), ValueError, "hidden is a DTensor placed"),
+        (dict(bias=bias.to(device)), TypeError, "bias must be a DTensor"),
+        (dict(weight=weight.to(device), hidden=distribute_tensor(h, mesh, [Replicate()])), TypeError,
+         "weight must be a DTensor"),
+        (dict(process_group=dist.group.WORLD), ValueError, "pass neither"),
+        # each rank its own targets (data parallelism): a wrong loss without the check
+        (dict(targets=(t + rank) % vocab), ValueError, "targets differ across the ranks"),
+    ]
+    for change, error, message in bad:
+        inputs = {"hidden": h, "weight": w, "targets": t, **change}
+        with pytest.raises(error, match=message):
+            flce.fused_linear_cross_entropy(**inputs)
 
 
 def _check_case(flce, rank, world, case, device="cpu"):

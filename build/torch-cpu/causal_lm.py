@@ -13,6 +13,7 @@ Python dependencies.
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -255,12 +256,12 @@ def fused_forward(
     backbone = model.base_model
     outputs = backbone(**inputs)
     hidden = outputs.last_hidden_state
-    lm_head = model.get_output_embeddings()
-    result = causal_lm_loss(
-        hidden, lm_head.weight, labels, lm_head.bias, num_items_in_batch, ignore_index, shift_labels,
-        **logit_options(model.config), return_metrics=return_metrics,
+    loss = functools.partial(
+        causal_lm_loss, labels=labels, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+        shift_labels=shift_labels, **logit_options(model.config), return_metrics=return_metrics,
         label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
     )
+    result = _output_head_loss(model.get_output_embeddings(), hidden, loss)
     result = list(result) if isinstance(result, tuple) else [result]
     return FusedCausalLMOutput(
         loss=result[0],
@@ -270,6 +271,34 @@ def fused_forward(
         metrics=result[1] if return_metrics else None,
         lse=result[-1] if return_lse else None,
     )
+
+
+def _output_head_loss(lm_head, hidden: Tensor, loss: Callable):
+    """``loss(hidden, lm_head_weight=..., lm_head_bias=...)`` with lm_head's parameters as its forward sees them.
+
+    An FSDP2 unit (``fully_shard(lm_head)``, or ``fully_shard([embed_tokens, lm_head])`` when tied)
+    holds them sharded outside its forward. The loss then runs as lm_head's forward, called as the
+    model's own forward calls it: FSDP2's hooks around the call gather the parameters before it and
+    reshard them after (and, in the backward, gather them again and reduce-scatter their gradients),
+    as for the logits. A DTensor weight of tensor parallelism (``ColwiseParallel``) is read as is:
+    the loss takes it as vocabulary parallelism.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
+    if fsdp is None or not isinstance(lm_head, getattr(fsdp, "FSDPModule", ())):
+        return loss(hidden, lm_head_weight=lm_head.weight, lm_head_bias=lm_head.bias)
+    own_forward = vars(lm_head).get("forward")  # an instance's forward (accelerate's hooks), if any
+    lm_head.forward = functools.partial(_loss_of_parameters, lm_head, loss=loss)
+    try:
+        return lm_head(hidden)
+    finally:
+        if own_forward is None:
+            del lm_head.forward
+        else:
+            lm_head.forward = own_forward
+
+
+def _loss_of_parameters(module, hidden: Tensor, loss: Callable):
+    return loss(hidden, lm_head_weight=module.weight, lm_head_bias=module.bias)
 
 
 def patch_forward(model, *, when_training: bool = True):

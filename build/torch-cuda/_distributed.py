@@ -138,6 +138,13 @@ def vocabulary_layout(group: dist.ProcessGroup, local_vocab_size: int, device: t
     return _layouts[key]
 
 
+def remember_layout(group: dist.ProcessGroup, local_vocab_size: int, vocab_start: int, total_vocab_size: int) -> None:
+    """Records this rank's layout when it is known without communicating (a DTensor's
+    placement): ``vocabulary_layout`` then skips its all-gather on every rank alike, where a
+    cached size on some ranks only would leave the others waiting in it."""
+    _layouts[(id(group), dist.get_rank(group), local_vocab_size)] = (vocab_start, total_vocab_size)
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` (operators take names, not groups)."""
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
+from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
 from ._options import accumulation_dtype
 
@@ -212,6 +213,11 @@ def fused_linear_cross_entropy(
         vocab_start: index of this rank's first vocabulary row; by default the slices are
             taken to lie in rank order (found with one all-gather, cached).
 
+    DTensor inputs: ``weight`` (and ``bias``) placed ``Shard(0)`` on a 1-D device mesh, with
+    ``hidden`` and ``targets`` plain or ``Replicate()`` on that mesh, is vocabulary parallelism
+    over the mesh (group and ``vocab_start`` from the placement); ``weight.grad`` comes back
+    sharded as ``weight``. Other layouts raise an error that says what is supported.
+
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
         float64 inputs give float64 loss, lse and entropy.
@@ -232,6 +238,13 @@ def fused_linear_cross_entropy(
     ``vmap`` (and their compositions, e.g. per-sample gradients) work, with the gradients
     recomputed in the backward; forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) raises.
     """
+    if has_dtensor(hidden, weight, targets, bias):
+        return dtensor_loss(
+            fused_linear_cross_entropy, hidden, weight, targets, bias, ignore_index, logit_scale, softcap,
+            reduction, return_metrics, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
+            return_lse=return_lse, class_weight=class_weight, process_group=process_group, vocab_start=vocab_start,
+            check_targets=_targets_checked(),
+        )
     hidden, weight, bias = _autocast(hidden, weight, bias)
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     ignore_index = _checked_ignore_index(ignore_index)

@@ -1,0 +1,61 @@
+"""A patched tiny Llama trained inside FSDP2, DDP and tensor parallelism on 2 gloo CPU processes
+(fp32) gives, step by step, the global loss and metrics of one process training the unpatched
+model on the whole batch, and the same final parameters (tests/_engines.py; on GPUs,
+scripts/gpu-distributed runs the same checks over NCCL)."""
+
+import datetime
+import os
+import socket
+import traceback
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import DEVICE
+
+pytest.importorskip("transformers")
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    # The engines wrap the model, not the loss's backend: the PyTorch path of CPU tensors.
+    os.environ["TRITON_INTERPRET"] = "0"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        from _engines import ENGINES, check_engine
+        from kernels import get_kernel
+
+        flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+        for engine in ENGINES:
+            try:
+                check_engine(flce, engine)
+                status = "ok"
+            except Exception:
+                status = f"rank {rank}:\n{traceback.format_exc()}"
+            with open(os.path.join(out_dir, f"{engine}.{rank}"), "w") as f:
+                f.write(status)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Each engine's outcome on each rank ("ok" or the traceback): one spawn for all of them."""
+    out_dir = tmp_path_factory.mktemp("engines")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return {path.name: path.read_text() for path in out_dir.iterdir()}
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU processes; GPUs run scripts/gpu-distributed")
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp2-tied", "ddp", "tp"])
+def test_engine_matches_one_process(outcomes, engine):
+    for rank in range(WORLD):
+        assert outcomes.get(f"{engine}.{rank}") == "ok", outcomes.get(f"{engine}.{rank}", "no outcome")
