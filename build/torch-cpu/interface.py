@@ -1,9 +1,11 @@
 """The public function: argument checks, shapes, and the choice of the gradient path."""
 
 import math
+import numbers
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
@@ -52,6 +54,46 @@ def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not (isinstance(z_loss_scale, (int, float)) and math.isfinite(z_loss_scale) and z_loss_scale >= 0):
         raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
+
+
+def _number(name: str, value):
+    """A float option given as a Python number or a 0-d tensor (read once on the host), as a
+    float; None stays None. A tensor that requires grad is refused: the loss has no gradient
+    with respect to these options."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got a bool")
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.is_complex():
+            raise ValueError(f"{name} must be a number or a 0-d real tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        if value.requires_grad:
+            raise ValueError(f"{name} is a tensor that requires grad, but the loss has no gradient with respect to "
+                             f"{name}: pass a number, or detach it")
+        return float(value.item())
+    return float(value) if isinstance(value, numbers.Real) else value
+
+
+def _check_options(targets: Tensor, return_metrics, return_lse, shift) -> None:
+    for name, value in (("return_metrics", return_metrics), ("return_lse", return_lse)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"shift must be an int, got {type(shift).__name__} {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    if shift and targets.dim() == 0:
+        raise ValueError("shift needs a sequence dimension: targets is 0-d")
+
+
+def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
+    """Position i's target becomes ``targets[..., i + shift]``; the last ``shift`` positions get
+    ``ignore_index``, which is the same loss as dropping them from hidden (without a copy of it)."""
+    return F.pad(targets[..., shift:], (0, min(shift, targets.shape[-1])), value=ignore_index)
+
+
+def _drop_shifted(per_row: Tensor, shift: int) -> Tensor:
+    """The positions that have a shifted target: all but the last ``shift``."""
+    return per_row[..., : max(per_row.shape[-1] - shift, 0)] if shift else per_row
 
 
 def _autocast(hidden, weight, bias):
@@ -121,6 +163,7 @@ def fused_linear_cross_entropy(
     return_lse: bool = False,
     process_group: "torch.distributed.ProcessGroup | None" = None,
     vocab_start: int | None = None,
+    shift: int = 0,
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without the logits.
 
@@ -137,12 +180,15 @@ def fused_linear_cross_entropy(
         bias: (V,) in hidden's dtype, or None.
         ignore_index: target value of ignored rows.
         logit_scale: multiplies the logits (before the softcap).
-        softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``.
+        softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``. This option and
+            the other float ones take a number or a 0-d tensor (read on the host, no gradient).
         reduction: "mean" (over non-ignored rows; NaN when all are ignored, as PyTorch),
             "sum", or "none" (float32 of targets' shape, 0 at ignored rows).
-        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32}``,
-            sums over non-ignored rows of (argmax == target) and of the softmax entropy in
-            nats, forward-only. The loss and gradients are bit-identical either way.
+        return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32,
+            "num_valid_tokens": int64}``, sums over non-ignored rows of (argmax == target) and
+            of the softmax entropy in nats, and the count of those rows; forward-only
+            (``token_metrics`` turns them into means). The loss and gradients are
+            bit-identical either way.
         label_smoothing: PyTorch's label smoothing, in [0, 1].
         z_loss_scale: weight of the z-loss ``logsumexp(z)**2`` (PaLM), >= 0.
         return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
@@ -154,6 +200,11 @@ def fused_linear_cross_entropy(
             slice's gradients.
         vocab_start: index of this rank's first vocabulary row; by default the slices are
             taken to lie in rank order (found with one all-gather, cached).
+        shift: the causal-LM shift along the last dim of ``targets`` (the sequence dim of
+            ``hidden``): with ``shift=1``, position i is scored against ``targets[..., i + 1]``,
+            i.e. the last position of hidden and the first target are dropped, as
+            transformers does for ``labels``. With ``reduction="none"`` and ``return_lse`` the
+            outputs have ``shift`` fewer positions.
 
     Returns:
         ``loss``, or a tuple ``(loss, metrics)``, ``(loss, lse)`` or ``(loss, metrics, lse)``.
@@ -167,7 +218,13 @@ def fused_linear_cross_entropy(
     backward will follow.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    logit_scale, softcap, label_smoothing, z_loss_scale = (
+        _number(name, value) for name, value in (("logit_scale", logit_scale), ("softcap", softcap),
+                                                 ("label_smoothing", label_smoothing), ("z_loss_scale", z_loss_scale)))
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
+    _check_options(targets, return_metrics, return_lse, shift)
+    if shift:
+        targets = _shift_targets(targets, shift, ignore_index)
     vocab_size, hidden_size = weight.shape
     group_name, total_vocab_size = None, vocab_size
     if process_group is not None:
@@ -200,10 +257,11 @@ def fused_linear_cross_entropy(
     if target_check is not None:
         _finish_target_check(target_check, targets, total_vocab_size, ignore_index)
     if reduction == "none":
-        loss = loss.reshape(leading_shape)
+        loss = _drop_shifted(loss.reshape(leading_shape), shift)
     outputs = [loss]
     if return_metrics:
-        outputs.append({"num_correct_tokens": num_correct, "entropy_sum": entropy_sum})
+        num_valid = (targets_1d != ignore_index).sum()
+        outputs.append({"num_correct_tokens": num_correct, "entropy_sum": entropy_sum, "num_valid_tokens": num_valid})
     if return_lse:
-        outputs.append(lse.reshape(leading_shape))
+        outputs.append(_drop_shifted(lse.reshape(leading_shape), shift))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
