@@ -22,6 +22,7 @@ class Reference:
     grad_hidden: torch.Tensor | None = None  # float64, hidden's shape
     grad_weight: torch.Tensor | None = None
     grad_bias: torch.Tensor | None = None
+    num_valid: int = 0  # rows not ignored
 
 
 def reference(
@@ -90,5 +91,5 @@ def reference(
         loss=loss.detach(), lse=lse.detach().reshape(targets.shape), num_correct=num_correct,
         num_ambiguous=num_ambiguous, num_correct_unambiguous=num_correct_unambiguous, entropy_sum=entropy_sum,
         logits=z.detach(),
-        grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2],
+        grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2], num_valid=int(valid.sum()),
     )

@@ -84,3 +84,13 @@ def test_fused_trainer_logs_as_sft_trainer(flce, example, tmp_path, monkeypatch)
     ref_params = dict(reference.model.named_parameters())
     for name, p in fused.model.named_parameters():
         torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6)
+
+
+def test_example_script_trains(tmp_path):
+    """examples/trl_sft_fused.py as a user runs it: the kernel's trainer on its tiny model."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU user's path
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_sft_fused.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    logs = [line for line in run.stdout.splitlines() if "'mean_token_accuracy'" in line]
+    assert len(logs) == 5, run.stdout  # one a step
