@@ -328,11 +328,11 @@ def readme_table(latest):
              "Training step: time, and extra memory", "", *header("head (H, V)")]
     for row in rows:
         lines.append(f"| {head(row)} | " + " | ".join(
-            cell(row, m, lambda r: f"{r['step_ms']:.1f} ms, {r['step_peak_minus_grads_mib']:.0f} MiB")
+            cell(row, m, lambda r: f"{fmt(r.get('step_ms'))} ms, {fmt(r.get('step_peak_minus_grads_mib'), '.0f')} MiB")
             for m in methods) + " |")
     lines += ["", "Evaluation forward (under `torch.no_grad()`): time", "", *header("head (H, V)")]
     for row in rows:
-        lines.append(f"| {head(row)} | " + " | ".join(cell(row, m, lambda r: f"{r['fwd_ms']:.1f} ms")
+        lines.append(f"| {head(row)} | " + " | ".join(cell(row, m, lambda r: f"{fmt(r.get('fwd_ms'))} ms")
                                                       for m in methods) + " |")
     return "\n".join(lines)
 
