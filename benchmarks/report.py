@@ -1,15 +1,17 @@
-"""Regenerates BENCHMARKS.md, the plots and README's headline table from the recorded JSON.
+"""Regenerates BENCHMARKS.md, the plots and README's generated sections from the recorded JSON.
 
-Every number in them comes from the files in benchmarks/results/ (bench.py's output); none
-is typed by hand.
+Every number in them comes from the files in benchmarks/results/ (the GPU runs of bench.py and
+scripts/gpu-check, the CPU runs of cpu_bench.py) and from pyproject.toml; none is typed by hand.
+Every method found in the JSON is shown, the peers in a known order first.
 
-    python benchmarks/report.py
+    python benchmarks/report.py [--check]
 """
 
 import json
 from pathlib import Path
 
 import matplotlib
+import tomllib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -18,11 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "benchmarks" / "plots"
 OURS = "fused-linear-ce"
-PEERS = ["torch", "torch.compile", "liger", "cce", "cce-exact"]
+# Methods of bench.py in the order the tables show them; any other method found comes after.
+KNOWN_METHODS = [OURS, "torch", "torch.compile", "quack", "quack-default", "liger-cute", "liger", "cce",
+                 "cce-exact"]
 MAIN_ROWS = ["gemma2", "llama3", "qwen25", "llama2"]
-SCALING = {"llama3-n2048": 2048, "llama3": 8192, "llama3-n32768": 32768, "llama3-n65536": 65536}
+SCALING = {"llama3-n2048": 2048, "llama3-n4096": 4096, "llama3": 8192, "llama3-n32768": 32768,
+           "llama3-n65536": 65536}
+# The design targets the ratio tables mark: step time over the fastest peer's, the fastest peer's
+# forward time over this kernel's.
+STEP_TARGET, FORWARD_TARGET = 0.93, 1.05
 README_MARK = "<!-- BENCHMARK-TABLE -->"
 SUMMARY_MARK = "<!-- BENCHMARK-SUMMARY -->"
+REQUIREMENTS_MARK = "<!-- REQUIREMENTS -->"
 
 
 def load():
@@ -37,14 +46,46 @@ def load():
     return runs, latest
 
 
+def _scaling_span(latest) -> str:
+    """'A to B': the smallest and largest N of the scaling rows measured for this kernel."""
+    ns = [n for row, n in SCALING.items() if (row, "lm", OURS) in latest]
+    return f"{min(ns)} to {max(ns)}" if ns else "—"
+
+
 def fmt(x, spec=".1f"):
     return "—" if x is None else format(x, spec)
 
 
+def methods_in(latest):
+    """Every method of the results: bench.py's in their order, then the others by name."""
+    present = {method for (_, _, method) in latest}
+    return [m for m in KNOWN_METHODS if m in present] + sorted(present - set(KNOWN_METHODS))
+
+
+def fastest_peer(latest, row, inputs, key):
+    """(name, value) of the peer with the smallest ``key`` on that row, or (None, None)."""
+    found = [(latest[(row, inputs, m)][key], m) for m in methods_in(latest)
+             if m != OURS and key in latest.get((row, inputs, m), {})]
+    return (min(found)[1], min(found)[0]) if found else (None, None)
+
+
 def best_peer(latest, row, inputs, key):
-    values = [latest[(row, inputs, m)][key] for m in PEERS
-              if (row, inputs, m) in latest and key in latest[(row, inputs, m)]]
-    return min(values) if values else None
+    return fastest_peer(latest, row, inputs, key)[1]
+
+
+def error_cell(r):
+    """A method's failure, whole (its first line), fit for a table cell."""
+    return "fails: " + r["error"].strip().splitlines()[0].replace("|", "\\|")
+
+
+def error_ratio(latest, row, inputs):
+    """The largest of the loss, grad_hidden and grad_weight errors relative to PyTorch eager's."""
+    ours, torch_r = latest.get((row, inputs, OURS), {}), latest.get((row, inputs, "torch"), {})
+    if "loss_err" not in ours or "loss_err" not in torch_r:
+        return None
+    # a loss error below 1e-6 is fp32 rounding of the sum itself: counted as equal
+    return max(max(ours[k], 1e-6 if k == "loss_err" else 0) / max(torch_r[k], 1e-6 if k == "loss_err" else 1e-30)
+               for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
 
 
 def logits_mib(r, element_size=2):
@@ -59,14 +100,14 @@ def table(latest, rows, inputs):
              "loss err | grad_h err | grad_w err |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         first = True
-        for method in [OURS, *PEERS]:
+        for method in methods_in(latest):
             r = latest.get((row, inputs, method))
             if r is None:
                 continue
             head = f"{row} ({r['hidden_size']}, {r['vocab_size']}), {r['n_tokens']}, {r['dtype']}" if first else ""
             first = False
             if "error" in r:
-                lines.append(f"| {head} | {method} | {r['error'][:60]} | | | | | | |")
+                lines.append(f"| {head} | {method} | {error_cell(r)} | | | | | | |")
                 continue
             name = f"**{method}**" if method == OURS else method
             lines.append(
@@ -77,11 +118,22 @@ def table(latest, rows, inputs):
     return "\n".join(lines)
 
 
+RATIOS_TEXT = (
+    "Each column divides two numbers of the same run, row by row: the training step's time by the fastest "
+    "peer's step time (lower is better); the fastest peer's forward time by this kernel's forward time "
+    "(higher is better); the extra memory of a step, less the gradients' own bytes, by the size of the "
+    "logits in the inputs' dtype; the largest of the loss, grad_hidden and grad_weight errors (against the "
+    "float32 reference) by PyTorch eager's. The bound in each header is the design target; ✓ marks a row "
+    "within it, ✗ one outside.")
+
+
 def targets(latest, rows, inputs):
-    """The performance issue's targets, row by row, from the same run's numbers."""
-    lines = ["| row | step / fastest peer (≤ 0.90) | fastest peer fwd / fwd (≥ 1.10) | "
-             "peak − grads / logits in the inputs' dtype (≤ 25%) | largest of loss, grad_h, grad_w error / "
-             "PyTorch's (≤ 1) |", "|---|---|---|---|---|"]
+    """Ratios to the peers and to the logits' size, row by row, from the same run's numbers."""
+    lines = [f"| row | step time / fastest peer's step time (target ≤ {STEP_TARGET:.2f}) | fastest peer's forward "
+             f"time / forward time (target ≥ {FORWARD_TARGET:.2f}) | extra memory of a step less the gradients / "
+             "logits in the inputs' dtype "
+             "(target ≤ 25%) | largest error of loss, grad_hidden, grad_weight / PyTorch eager's (target ≤ 1) |",
+             "|---|---|---|---|---|"]
     for row in rows:
         ours = latest.get((row, inputs, OURS))
         if ours is None or "error" in ours:
@@ -91,21 +143,15 @@ def targets(latest, rows, inputs):
         step_ratio = ours["step_ms"] / step_peer if step_peer else None
         fwd_ratio = fwd_peer / ours["fwd_ms"] if fwd_peer else None
         mem_ratio = ours["step_peak_minus_grads_mib"] / logits_mib(ours, ELEMENT_SIZE[ours["dtype"]])
-        torch_r = latest.get((row, inputs, "torch"), {})
-        err_ratio = None
-        if "loss_err" in ours and "loss_err" in torch_r:
-            # a loss error below 1e-6 is fp32 rounding of the sum itself: counted as equal
-            err_ratio = max(max(ours[k], 1e-6 if k == "loss_err" else 0) / max(torch_r[k], 1e-6 if k == "loss_err"
-                                                                              else 1e-30)
-                            for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
+        err_ratio = error_ratio(latest, row, inputs)
 
         def mark(ok):
             return "" if ok is None else (" ✓" if ok else " ✗")
 
         errs = "—" if err_ratio is None else f"{err_ratio:.3f}{mark(err_ratio <= 1.0)}"
         lines.append(
-            f"| {row} | {fmt(step_ratio, '.2f')}{mark(step_ratio and step_ratio <= 0.9)} | "
-            f"{fmt(fwd_ratio, '.2f')}{mark(fwd_ratio and fwd_ratio >= 1.1)} | "
+            f"| {row} | {fmt(step_ratio, '.2f')}{mark(step_ratio and step_ratio <= STEP_TARGET)} | "
+            f"{fmt(fwd_ratio, '.2f')}{mark(fwd_ratio and fwd_ratio >= FORWARD_TARGET)} | "
             f"{mem_ratio:.0%}{mark(mem_ratio <= 0.25)} | {errs} |")
     return "\n".join(lines)
 
@@ -117,7 +163,7 @@ def plots(latest, inputs="lm"):
                               ("step_peak_minus_grads_mib", "peak extra memory of a step, less the gradients (MiB)",
                                "scaling_memory.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for method in [OURS, *PEERS]:
+        for method in methods_in(latest):
             pts = [(n, latest[(row, inputs, method)][key]) for row, n in SCALING.items()
                    if (row, inputs, method) in latest and key in latest[(row, inputs, method)]]
             if len(pts) >= 2:
@@ -141,7 +187,8 @@ def environment(runs):
     for name, data in runs:
         env = data["environment"]
         v = env["versions"]
-        lines.append(f"- `{name}`: {env['gpu']} ({env['sm_count']} SMs, driver {env['driver']}), "
+        driver = ", ".join(dict.fromkeys(env["driver"].split()))  # nvidia-smi prints it once per GPU
+        lines.append(f"- `{name}`: {env['gpu']} ({env['sm_count']} SMs, driver {driver}), "
                      f"torch {v['torch']}, triton {v['triton']}, liger-kernel {v.get('liger_kernel')}, "
                      f"cut-cross-entropy {v.get('cut_cross_entropy')}; {env['date']}; measured bf16 matmul "
                      f"{data['matmul_tflops']:.0f} TFLOP/s; `{env['command']}`")
@@ -197,6 +244,20 @@ def _listing(values, spec, suffix=""):
     return ", ".join(f"{v:{spec}}{suffix} ({row})" for row, v in values.items() if v is not None)
 
 
+def _peer_names(latest, rows, inputs, key):
+    """"torch.compile on every row", or the fastest peer of each row."""
+    names = {row: fastest_peer(latest, row, inputs, key)[0] for row in rows}
+    names = {row: name for row, name in names.items() if name is not None}
+    if len(set(names.values())) == 1:
+        return f"{next(iter(names.values()))} on every row"
+    return ", ".join(f"{name} on {row}" for row, name in names.items())
+
+
+def _range(values, spec=".0f"):
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}–{high}"
+
+
 def summary(latest):
     """README's paragraph on where the kernel stands, its numbers computed from the results."""
     def ratio(row, key, inputs="lm", peer_first=False):
@@ -211,39 +272,42 @@ def summary(latest):
     fwd = {row: ratio(row, "fwd_ms", peer_first=True) for row in MAIN_ROWS}
     mem = [latest[(row, "lm", OURS)]["step_peak_minus_grads_mib"] / logits_mib(latest[(row, "lm", OURS)])
            for row in MAIN_ROWS if (row, "lm", OURS) in latest]
-    flat = [latest[(row, "lm", OURS)]["step_peak_minus_grads_mib"] for row in SCALING if (row, "lm", OURS) in latest]
-    compile_flat = [latest[(row, "lm", "torch.compile")]["step_peak_minus_grads_mib"] for row in SCALING
-                    if (row, "lm", "torch.compile") in latest]
-    fp32 = latest.get(("llama2-fp32", "lm", OURS))
-    fp32_peer = latest.get(("llama2-fp32", "lm", "torch.compile"))
-    mem_text = f"{min(mem):.0%}" if f"{min(mem):.0%}" == f"{max(mem):.0%}" else f"{min(mem):.0%}–{max(mem):.0%}"
-    step_met = [r for r, v in step.items() if v is not None and v <= 0.9]
-    fwd_met = [r for r, v in fwd.items() if v is not None and v >= 1.1]
+    scaling_mem = {method: [latest[(row, "lm", method)]["step_peak_minus_grads_mib"] for row in SCALING
+                            if "step_peak_minus_grads_mib" in latest.get((row, "lm", method), {})]
+                   for method in methods_in(latest)}
+    peers_mem = ", ".join(f"{method} {_range(values)}" for method, values in scaling_mem.items()
+                          if method != OURS and len(values) > 1)
+    errors = [e for e in (error_ratio(latest, row, inputs) for row in MAIN_ROWS for inputs in ("lm", "uniform"))
+              if e is not None]
     text = (
-        f"Where it stands, from these runs: the extra memory of a training step is "
-        f"{mem_text} of the bf16 logits at N = 8192 and stays flat with N "
-        f"({min(flat):.0f}–{max(flat):.0f} MiB from N = 2048 to 65536 on the Llama-3 head, where "
-        f"torch.compile's grows from {min(compile_flat):.0f} to {max(compile_flat):.0f} MiB); the loss and "
-        f"gradient errors are at most plain PyTorch's. Against the fastest peer in the same run (torch.compile), "
-        f"the training step takes {_listing(step, '.2f', '×')} of its time on LM-like inputs "
-        f"({_listing(step_uniform, '.2f', '×')} on uniform ones), and the forward runs at "
-        f"{_listing(fwd, '.2f', '×')} its speed.")
-    if fp32 and fp32_peer:
-        text += (f" In fp32 (Llama-2 head) the step takes {fp32['step_ms'] / fp32_peer['step_ms']:.2f}× and the "
-                 f"forward runs at {fp32_peer['fwd_ms'] / fp32['fwd_ms']:.2f}× torch.compile's speed.")
-    text += (f" The performance work's targets: a step at most 0.9× the fastest peer's is met on "
-             f"{', '.join(step_met) or 'no row'}; a forward at least 1.1× faster on {', '.join(fwd_met) or 'no row'}.")
+        f"Where it stands, from these runs: the extra memory of a training step is {_range(mem, '.0%')} of the "
+        f"bf16 logits at N = 8192 and stays flat with N ({_range(scaling_mem[OURS])} MiB from N = "
+        f"{_scaling_span(latest)} "
+        f"on the Llama-3 head; over the same range: {peers_mem} MiB). The largest of the loss and gradient "
+        f"errors is {_range(errors, '.2f')}× plain PyTorch's (bf16, both kinds of inputs). Against the fastest "
+        f"peer in the same run ({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
+        f"{_listing(step, '.2f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.2f', '×')} on "
+        f"uniform ones); against the fastest forward ({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the "
+        f"forward runs at {_listing(fwd, '.2f', '×')} its speed.")
+    fp32 = latest.get(("llama2-fp32", "lm", OURS))
+    fp32_step_peer, fp32_step = fastest_peer(latest, "llama2-fp32", "lm", "step_ms")
+    fp32_fwd_peer, fp32_fwd = fastest_peer(latest, "llama2-fp32", "lm", "fwd_ms")
+    if fp32 and fp32_step and fp32_fwd:
+        text += (f" In fp32 (Llama-2 head) the step takes {fp32['step_ms'] / fp32_step:.2f}× {fp32_step_peer}'s "
+                 f"time and the forward runs at {fp32_fwd / fp32['fwd_ms']:.2f}× {fp32_fwd_peer}'s speed.")
     llama = latest.get(("llama3", "lm", OURS))
-    peer = best_peer(latest, "llama3", "lm", "step_ms")
+    peer_name, peer = fastest_peer(latest, "llama3", "lm", "step_ms")
     if llama and peer and llama.get("_matmul"):
         floor = floor_ms(llama)
         text += (f" For scale: at this GPU's measured bf16 matmul rate ({llama['_matmul']:.0f} TFLOP/s), the "
-                 f"6·N·V·H flops of a Llama-3 step alone take {floor:.1f} ms; torch.compile's step runs at "
-                 f"{floor / peer:.0%} of that rate and this kernel's at {floor / llama['step_ms']:.0%}, while 0.9× "
-                 f"torch.compile's time asks for {floor / (0.9 * peer):.0%} over the whole step, softmax included "
-                 f"(BENCHMARKS.md, \"Distance to the matmul floor\").")
-    text += (" A step is three matrix products the size of the logits, as torch.compile's are: the logit product "
-             "is a Triton kernel with the softmax in its epilogue, the two gradient products are cuBLAS's.")
+                 f"6·N·V·H flops of a Llama-3 step alone take {floor:.1f} ms; {peer_name}'s step runs at "
+                 f"{floor / peer:.0%} of that rate and this kernel's at {floor / llama['step_ms']:.0%} "
+                 f"(BENCHMARKS.md, \"Distance to the matmul floor\"); this kernel skips the rows whose target "
+                 f"is ignored ({1 - llama['n_valid'] / llama['n_tokens']:.0%} of them here), which the flops "
+                 f"count includes.")
+    text += (" A step is three matrix products the size of the logits: the logit product is a Triton kernel with "
+             "the softmax in its epilogue, the two gradient products are cuBLAS's, with the softmax's factors "
+             "applied on their small side.")
     walls = [r["wall_s"] for (row, inputs, method), r in latest.items() if method == OURS and "wall_s" in r]
     if walls:
         text += (f"\n\nThe first call for a given (H, V, dtype, flags) in a process pays for Triton compilation and "
@@ -251,6 +315,129 @@ def summary(latest):
                  f"measurement, first call and timing included, took {min(walls):.0f} to {max(walls):.0f} s. Later "
                  f"calls reuse the compiled kernels; a new N (batch or sequence length) does not retune.")
     return text
+
+
+def readme_table(latest):
+    """README's comparison with every method: step time and memory, then forward time."""
+    methods = methods_in(latest)
+    rows = [row for row in MAIN_ROWS if "step_ms" in latest.get((row, "lm", OURS), {})]
+
+    def header(first):
+        names = [f"**{m}**" if m == OURS else m for m in methods]
+        return [f"| {first} | " + " | ".join(names) + " |", "|---" * (len(methods) + 1) + "|"]
+
+    def cell(row, method, text):
+        r = latest.get((row, "lm", method))
+        if r is None:
+            return "—"
+        value = "fails" if "error" in r else text(r)
+        return f"**{value}**" if method == OURS else value
+
+    def head(row):
+        r = latest[(row, "lm", OURS)]
+        return f"{row} ({r['hidden_size']}, {r['vocab_size']})"
+
+    lines = ["Measured on one H200, bf16, N = 8192 tokens, LM-like inputs (BENCHMARKS.md has uniform inputs, errors, "
+             "fp16 and fp32, scaling with N and plots). A training step is forward + backward with gradients for "
+             "hidden and weight; its extra memory is the peak allocated during the step above what was allocated "
+             "before it, less the gradients' own bytes.", "",
+             "Training step: time, and extra memory", "", *header("head (H, V)")]
+    for row in rows:
+        lines.append(f"| {head(row)} | " + " | ".join(
+            cell(row, m, lambda r: f"{fmt(r.get('step_ms'))} ms, {fmt(r.get('step_peak_minus_grads_mib'), '.0f')} MiB")
+            for m in methods) + " |")
+    lines += ["", "Evaluation forward (under `torch.no_grad()`): time", "", *header("head (H, V)")]
+    for row in rows:
+        lines.append(f"| {head(row)} | " + " | ".join(cell(row, m, lambda r: f"{fmt(r.get('fwd_ms'))} ms")
+                                                      for m in methods) + " |")
+    return "\n".join(lines)
+
+
+def cpu_runs():
+    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("cpu-*.json"))]
+
+
+def cpu_section(runs):
+    """BENCHMARKS.md's table of the CPU path against PyTorch eager (benchmarks/cpu_bench.py)."""
+    lines = []
+    for name, data in runs:
+        env = data["environment"]
+        m, v = env["machine"], env["versions"]
+        lines += [f"`{name}`: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; torch {v['torch']}, Python "
+                  f"{v['python']}; {env['date']}; `{env['command']}`. Times: medians of "
+                  f"{data['results'][0].get('reps')} steps after a warm-up, the methods interleaved in one process, "
+                  "wall-clock and the process's CPU time (summed over its threads). Memory: one step in a process "
+                  "of its own, its peak resident memory above that of the inputs.", "",
+                  "| N, (H, V), dtype | method | step ms | step CPU ms | peak extra MiB | extra − grads MiB | "
+                  "fp32 logits MiB |", "|---|---|---|---|---|---|---|"]
+        for r in data["results"]:
+            head = f"{r['n_tokens']}, ({r.get('hidden_size')}, {r.get('vocab_size')}), {r.get('dtype')}"
+            if "error" in r:
+                lines.append(f"| {head} | {r['method']} | {error_cell(r)} | | | | |")
+                continue
+            name_ = f"**{r['method']}**" if r["method"] == OURS else r["method"]
+            lines.append(f"| {head} | {name_} | {r['step_ms']:.0f} | {r['step_cpu_ms']:.0f} | "
+                         f"{r['peak_extra_mib']:.0f} | {r['peak_extra_minus_grads_mib']:.0f} | {r['logits_mib']:.0f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _gpu_environments():
+    """(GPU, torch, triton, Python) of every recorded GPU run."""
+    found = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        env = data.get("environment", data)
+        versions = env.get("versions", env)
+        if "gpu" in env and "torch" in versions:
+            found.append((env["gpu"], versions["torch"], versions.get("triton"), versions.get("python")))
+    return found
+
+
+def requirements(cpu):
+    """README's requirements table: declared in pyproject.toml, and what the recorded runs used."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {d.split(">=")[0].strip(): ">= " + d.split(">=")[1] for d in project["dependencies"] if ">=" in d}
+    declared["python"] = project["requires-python"].replace(">=", ">= ")
+    gpu = _gpu_environments()
+
+    def listed(index):
+        return ", ".join(sorted({e[index] for e in gpu if e[index]})) or "—"
+
+    cpu_env = cpu[-1][1]["environment"] if cpu else None
+    cpu_v = cpu_env["versions"] if cpu_env else {}
+    lines = [
+        "| | required (pyproject.toml) | tested on a GPU (recorded runs) | tested on CPU only (CI, CPU benchmark) |",
+        "|---|---|---|---|",
+        f"| hardware | — | {listed(0)} | "
+        + (f"{cpu_env['machine']['cpu']}, {cpu_env['machine']['cores']} cores |" if cpu_env else "— |"),
+        f"| Python | {declared['python']} | {listed(3)} | {cpu_v.get('python', '—')} |",
+        f"| torch | {declared.get('torch', '—')} | {listed(1)} | {cpu_v.get('torch', '—')} |",
+        f"| triton | {declared.get('triton', '—')} | {listed(2)} | {cpu_v.get('triton') or '—'} |",
+        "| what runs | | the Triton kernels: bf16, fp16, fp32 | the same algorithm in PyTorch (each chunk's fp32 "
+        "logits), or the Triton kernels in Triton's interpreter under `TRITON_INTERPRET=1` (slow: for tests) |",
+    ]
+    if cpu:
+        results = {(r["method"], r["n_tokens"]): r for r in cpu[-1][1]["results"] if "error" not in r}
+        cases = sorted({n for (m, n) in results if m == OURS and ("torch", n) in results})
+        if cases:
+            r0 = results[(OURS, cases[0])]
+
+            def listing(text):
+                return " and ".join(text(n) for n in cases)
+
+            def time_ratio(n):
+                return f"{results[(OURS, n)]['step_ms'] / results[('torch', n)]['step_ms']:.2f}×"
+
+            lines += ["", f"On the CPU ({cpu_env['machine']['cpu']}, {cpu_env['machine']['cores']} cores; "
+                      f"`{cpu[-1][0]}`), a float32 training step at H = {r0['hidden_size']}, V = {r0['vocab_size']} "
+                      "takes " + listing(time_ratio)
+                      + " PyTorch eager's time at N = " + listing(str) + ", with "
+                      + listing(lambda n: f"{results[(OURS, n)]['peak_extra_minus_grads_mib']:.0f}")
+                      + " MiB of extra memory against eager's "
+                      + listing(lambda n: f"{results[('torch', n)]['peak_extra_minus_grads_mib']:.0f}")
+                      + " MiB (peak resident memory less the gradients; BENCHMARKS.md, \"CPU\")."]
+    return "\n".join(lines)
 
 
 def replace_between(text, mark, body):
@@ -264,9 +451,10 @@ def main():
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if BENCHMARKS.md or README's tables differ from the JSON")
+                        help="write nothing; exit 1 if BENCHMARKS.md or README's sections differ from the JSON")
     args = parser.parse_args()
     runs, latest = load()
+    cpu = cpu_runs()
     present = {k[1] for k in latest}
     other_rows = sorted({k[0] for k in latest} - set(MAIN_ROWS) - set(SCALING))
     made = [name for name in ("scaling_time.png", "scaling_memory.png")] if args.check else plots(latest)
@@ -274,7 +462,8 @@ def main():
         "# Benchmarks",
         "",
         "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`, which "
-        "`benchmarks/bench.py` wrote on the GPU (`scripts/gpu-check bench`). Times are medians of "
+        "`benchmarks/bench.py` wrote on the GPU (`scripts/gpu-check bench`) and `benchmarks/cpu_bench.py` on "
+        "a CPU (last section). On the GPU, times are medians of "
         "`triton.testing.do_bench`; a step is forward + backward with gradients for hidden and weight; "
         "peak is the peak allocated memory of one step above what was allocated before it, and "
         "\"peak − grads\" subtracts the gradients' own bytes. Errors are relative to a float32 "
@@ -289,7 +478,7 @@ def main():
     for inputs in ("lm", "uniform"):
         if inputs not in present:
             continue
-        parts += ["", f"## Targets of the performance issue ({inputs} inputs)", "",
+        parts += ["", f"## Ratios to the peers ({inputs} inputs)", "", RATIOS_TEXT, "",
                   targets(latest, MAIN_ROWS + [r for r in other_rows if "slice" not in r], inputs),
                   "", f"## Main heads, N = 8192 ({inputs} inputs)", "", table(latest, MAIN_ROWS, inputs)]
     if any((row, "lm", OURS) in latest for row in SCALING if row != "llama3"):
@@ -304,26 +493,18 @@ def main():
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
+    if cpu:
+        parts += ["", "## CPU: the PyTorch path against PyTorch eager (`benchmarks/cpu_bench.py`)", "",
+                  "CPU tensors (without `TRITON_INTERPRET=1`) take the chunked PyTorch path. One float32 training "
+                  "step, forward + backward with gradients for hidden and weight; PyTorch eager is "
+                  "`F.cross_entropy(hidden @ weight.T, targets)`.", "", cpu_section(cpu)]
     benchmarks_md = "\n".join(parts) + "\n"
 
-    # README: the headline table between the markers
+    # README: the generated sections between their markers
     readme = (ROOT / "README.md").read_text()
-    head = ["Training step (forward + backward) and evaluation forward on one H200, bf16, N = 8192, "
-            "LM-like inputs; full tables, targets and plots in [BENCHMARKS.md](BENCHMARKS.md).", "",
-            "| head (H, V) | fused-linear-ce step ms | fastest peer step ms | fused-linear-ce fwd ms | "
-            "fastest peer fwd ms | extra memory of a step, MiB (ours / torch.compile) |",
-            "|---|---|---|---|---|---|"]
-    for row in MAIN_ROWS:
-        r = latest.get((row, "lm", OURS))
-        c = latest.get((row, "lm", "torch.compile"))
-        if r is None or "error" in r:
-            continue
-        head.append(f"| {row} ({r['hidden_size']}, {r['vocab_size']}) | {r['step_ms']:.1f} | "
-                    f"{fmt(best_peer(latest, row, 'lm', 'step_ms'))} | {r['fwd_ms']:.1f} | "
-                    f"{fmt(best_peer(latest, row, 'lm', 'fwd_ms'))} | {r['step_peak_minus_grads_mib']:.0f} / "
-                    f"{fmt(c and c.get('step_peak_minus_grads_mib'), '.0f')} |")
-    readme = replace_between(readme, README_MARK, "\n".join(head))
+    readme = replace_between(readme, README_MARK, readme_table(latest))
     readme = replace_between(readme, SUMMARY_MARK, summary(latest))
+    readme = replace_between(readme, REQUIREMENTS_MARK, requirements(cpu))
     if args.check:
         stale = [name for name, text in (("BENCHMARKS.md", benchmarks_md), ("README.md", readme))
                  if (ROOT / name).read_text() != text]

@@ -1,88 +1,31 @@
-"""Supervised fine-tuning with TRL's SFTTrainer and the fused linear cross-entropy.
+"""Supervised fine-tuning with TRL and the fused linear cross-entropy, on a tiny random model.
 
-``FusedSFTTrainer`` computes the loss from the backbone's hidden states and the lm_head with the
-fused kernel (no (tokens, vocab) logits), and logs TRL 1.16's ``mean_token_accuracy`` and
-``entropy`` with TRL's definitions: per micro-batch, the counts and sums over the non-ignored
-next-token labels, summed over the ranks (``accelerator.gather_for_metrics``), then divided.
-Its ``loss``, ``num_tokens`` and the training itself match ``SFTTrainer`` (loss_type "nll").
+The trainer ships with the kernel: ``flce.trl.FusedSFTTrainer`` (``fused_linear_ce.trl`` when
+pip-installed), an ``SFTTrainer`` whose loss skips the logits and which logs TRL's
+``mean_token_accuracy`` and ``entropy``. This script builds a tiny random Llama, a word-level
+tokenizer and prompt-completion data in code (nothing is downloaded) and trains a few steps.
 
-    python examples/trl_sft_fused.py        # a tiny random Llama, a few steps on the CPU
-
-The reusable parts live in the kernel: ``patch_forward`` (the model's forward with a fused loss)
-and ``token_metrics`` (the cross-rank ratios); only the TRL wiring is here.
+    python examples/trl_sft_fused.py        # on the CPU, the kernel from this checkout
 """
 
-import torch
-from accelerate.utils import is_peft_model
-from trl import SFTConfig, SFTTrainer
+import os
+from pathlib import Path
 
-KERNEL_REPO = "qgallouedec/fused-linear-ce"
+import torch
+from trl import SFTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REPO_ID = "qgallouedec/fused-linear-ce"
 
 
 def load_kernel():
-    """The fused-linear-ce kernel: from the Hub through ``kernels`` (or a LOCAL_KERNELS checkout)."""
+    """The fused-linear-ce kernel through ``kernels``: from the Hub, or from this checkout when
+    offline (LOCAL_KERNELS, set here unless already set)."""
     from kernels import get_kernel
 
-    return get_kernel(KERNEL_REPO, version=1, trust_remote_code=True)
-
-
-class FusedSFTTrainer(SFTTrainer):
-    """``SFTTrainer`` whose loss is the fused linear cross-entropy of the model's last hidden states.
-
-    Args:
-        *args, **kwargs: those of ``SFTTrainer``.
-        kernel: the loaded fused-linear-ce module (``load_kernel()`` by default).
-    """
-
-    def __init__(self, *args, kernel=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ValueError("FusedSFTTrainer computes the plain NLL loss (loss_type='nll', no label smoothing, "
-                             "no compute_loss_func)")
-        if self.aux_loss_enabled:
-            raise ValueError("FusedSFTTrainer does not add the MoE router loss")
-        self.flce = load_kernel() if kernel is None else kernel
-        # SFTTrainer has already patched the forward with its own fused LM head (`fused_lm_head=True`);
-        # ours wraps it and takes over only when called with `fused_loss=True`.
-        model = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        self.flce.patch_forward(model, when_training=False)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if self.model.training else "eval"
-        inputs["use_cache"] = False
-        if num_items_in_batch is None:
-            # As TRL: the micro-batch's own token count, at least 1 (no NaN without tokens)
-            targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
-            divisor = (targets != -100).sum().clamp(min=1)
-        else:
-            divisor = num_items_in_batch
-        outputs = model(**inputs, fused_loss=True, num_items_in_batch=divisor, return_metrics=True)
-        loss = outputs.loss
-        # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens, and DDP averages gradients
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-
-        # TRL's metrics: sums over the ranks, then ratios (0 without tokens)
-        stats = self.flce.token_metrics(
-            outputs.metrics, sum_across=lambda t: self.accelerator.gather_for_metrics(t).sum()
-        )
-        self._metrics[mode]["entropy"].append(stats["entropy"].item())
-        self._metrics[mode]["mean_token_accuracy"].append(stats["mean_token_accuracy"].item())
-        if mode == "train":
-            if "attention_mask" in inputs:
-                num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            elif "position_ids" in inputs:
-                local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
-                num_tokens = self.accelerator.gather_for_metrics(local).sum().item()
-            else:
-                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-
-        if return_outputs:  # evaluation asking for logits: one more forward, without the loss
-            with torch.no_grad():
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-        return (loss, outputs) if return_outputs else loss
+    os.environ.setdefault("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
+    return get_kernel(REPO_ID, version=1, trust_remote_code=True)
 
 
 def tiny_setup(vocab_size: int = 128, num_examples: int = 16, seed: int = 0):
@@ -119,7 +62,8 @@ def main():
         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
         completion_only_loss=True,
     )
-    trainer = FusedSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    flce = load_kernel()
+    trainer = flce.trl.FusedSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     for record in trainer.state.log_history:
         print(record)

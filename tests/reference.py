@@ -26,6 +26,7 @@ class Reference:
     grad_hidden: torch.Tensor | None = None  # float64, hidden's shape
     grad_weight: torch.Tensor | None = None
     grad_bias: torch.Tensor | None = None
+    num_valid: int = 0  # rows not ignored
 
 
 def reference(
@@ -105,5 +106,5 @@ def reference(
         logits=z.detach(), predictions=torch.where(valid, argmax, -1).reshape(targets.shape),
         ambiguous=ambiguous_rows.reshape(targets.shape),
         correct=correct.reshape(targets.shape), entropy=entropy.reshape(targets.shape),
-        grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2],
+        grad_hidden=grads[0], grad_weight=grads[1], grad_bias=grads[2], num_valid=int(valid.sum()),
     )

@@ -3,6 +3,7 @@ gradient of every parameter and the metrics, on tiny random models (float32, CPU
 
 import copy
 import math
+import types
 
 import pytest
 import torch
@@ -176,3 +177,139 @@ def test_autocast_bf16_matches_model_loss(flce, monkeypatch):
     torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=2e-3, atol=0)
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     assert_grads_close(model, ref_grads, rel=3e-2)
+
+
+# ---- the raw function with shift=1 ------------------------------------------------------------
+def test_raw_function_with_shift_matches_model_loss(flce):
+    """``fused_linear_cross_entropy(hidden, lm_head.weight, labels, shift=1)``: the model's own loss
+    with Hugging Face labels (unshifted), and its metrics through ``token_metrics``."""
+    model = tiny_causal_lm("llama")
+    batch = tiny_batch(model)
+    ref_loss, ref_grads, ref_metrics = _reference(model, batch)
+
+    model.zero_grad()
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    loss, metrics = flce.fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], shift=1,
+                                                    return_metrics=True)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(model, ref_grads)
+    _check_metrics(metrics, ref_metrics)
+    means = flce.token_metrics(metrics)
+    n = ref_metrics["num_valid_tokens"]
+    assert means["mean_token_accuracy"].item() == pytest.approx(ref_metrics["num_correct_tokens"] / n)
+    assert means["entropy"].item() == pytest.approx(ref_metrics["entropy_sum"] / n, rel=1e-5)
+    # without the shift the loss is another one (the mismatch shift=1 exists to avoid)
+    unshifted = flce.fused_linear_cross_entropy(hidden.detach(), model.lm_head.weight.detach(), batch["labels"])
+    assert abs(unshifted.item() - ref_loss.item()) > 1e-3
+
+
+def test_token_metrics_needs_the_three_sums(flce):
+    with pytest.raises(KeyError, match="num_valid_tokens"):
+        flce.token_metrics({"num_correct_tokens": torch.tensor(1), "entropy_sum": torch.tensor(1.0)})
+
+
+# ---- patching: idempotent, undone, by class or model type, reduction ------------------------------
+def _fused_path_taken(model, batch) -> bool:
+    return model(**batch).logits is None
+
+
+def test_patch_forward_twice_patches_once(flce):
+    """A re-run notebook cell: patching again wraps the forward once (no recursion in eval or
+    training), with the latest options."""
+    model = tiny_causal_lm("qwen2")
+    batch = tiny_batch(model)
+    ref_loss, ref_grads, _ = _reference(model, batch)
+    assert flce.patch_forward(flce.patch_forward(model)) is model
+    assert model.forward.__func__.__wrapped__ is type(model).forward  # one wrapper around the class's
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    assert out.logits is None
+    torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(model, ref_grads)
+    model.eval()
+    torch.testing.assert_close(model(**batch).loss, ref_loss, rtol=1e-6, atol=0)  # the original forward
+    model.train()
+    flce.patch_forward(model, when_training=False)
+    assert not _fused_path_taken(model, batch)
+
+
+def test_unpatch_forward_restores_the_model(flce):
+    model = tiny_causal_lm("llama")
+    batch = tiny_batch(model)
+    assert flce.unpatch_forward(model) is model  # not patched: nothing to undo
+    flce.patch_forward(model)
+    twin = copy.deepcopy(model)  # a patched copy is undone on its own
+    assert flce.unpatch_forward(model) is model
+    assert "forward" not in vars(model) and "_flce_original_forward" not in vars(model)
+    assert not _fused_path_taken(model, batch) and _fused_path_taken(twin, batch)
+    flce.unpatch_forward(twin)
+    assert not _fused_path_taken(twin, batch)
+    # a forward set on the model itself before the patch comes back
+    own = types.MethodType(lambda self, **kwargs: "own forward", model)
+    model.forward = own
+    flce.patch_forward(model)
+    assert model(**batch, fused_loss=False) == "own forward"
+    flce.unpatch_forward(model)
+    assert model.forward == own
+
+
+def test_patch_by_model_type(flce):
+    """``patch_forward("llama")`` patches transformers' LlamaForCausalLM (instances made later too,
+    as ``from_pretrained`` inside a Trainer), not other families; a model patched on top of its
+    patched class decides once; ``unpatch_forward("llama")`` restores the class."""
+    import transformers
+
+    cls = transformers.LlamaForCausalLM
+    original = cls.forward
+    try:
+        assert flce.patch_forward("llama") is cls
+        flce.patch_forward("llama")  # once
+        assert cls.forward.__wrapped__ is original
+        model = tiny_causal_lm("llama")
+        batch = tiny_batch(model, seed=2)
+        assert _fused_path_taken(model, batch)
+        other = tiny_causal_lm("qwen2")
+        assert not _fused_path_taken(other, tiny_batch(other))
+        model.zero_grad()
+        fused_loss = model(**batch).loss
+        fused_loss.backward()
+        fused_grads = grads(model)
+        ref_loss, _, _ = _reference(model, batch, fused_loss=False)  # the class's original forward
+        torch.testing.assert_close(fused_loss.detach(), ref_loss, rtol=1e-5, atol=0)
+        assert_grads_close(model, fused_grads)  # the reference's gradients against the fused ones
+        flce.patch_forward(model, when_training=False)  # the model's patch decides, not the class's
+        assert not _fused_path_taken(model, batch)
+        assert model(**batch, fused_loss=True).logits is None
+        flce.unpatch_forward(model)
+        assert _fused_path_taken(model, batch)
+    finally:
+        flce.unpatch_forward("llama")
+    assert cls.forward is original and "_flce_class_forward" not in vars(cls)
+    assert not _fused_path_taken(model, batch)
+    with pytest.raises(ValueError, match="no-such-model"):
+        flce.patch_forward("no-such-model")
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_patched_reduction(flce, reduction):
+    """``patch_forward(model, reduction=...)``: the sum over the positions, or the loss of each
+    position (B, S) against the next label (0 where ignored), from the model's own logits."""
+    model = flce.patch_forward(tiny_causal_lm("gemma2-softcap"), reduction=reduction)
+    batch = tiny_batch(model)
+    logits = model(**batch, fused_loss=False).logits.detach()
+    targets = F.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+    out = model(**batch)
+    assert out.logits is None
+    if reduction == "none":
+        assert out.loss.shape == batch["labels"].shape
+        expected = expected.reshape(targets.shape)
+    torch.testing.assert_close(out.loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    # a call's own reduction wins; num_items_in_batch divides the default "mean" only
+    mean = model(**batch, reduction="mean", num_items_in_batch=torch.tensor(7)).loss
+    torch.testing.assert_close(mean.detach() * 7, F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                                  reduction="sum"), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="reduction"):
+        flce.patch_forward(model, reduction="avg")

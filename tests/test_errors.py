@@ -69,6 +69,22 @@ BAD_ARGUMENTS = [
     ("target_huge", lambda a: _with(a, targets=_set_first(a["targets"], 2**40)), ValueError, "targets"),
     ("target_is_default_ignore_index_but_another_is_set",
      lambda a: _with(a, targets=_set_first(a["targets"], -100), ignore_index=-1), ValueError, "targets"),
+    # flags are bools: a truthy string or an int is a mistake, not a yes
+    ("return_metrics_str", lambda a: _with(a, return_metrics="yes"), TypeError, "return_metrics"),
+    ("return_metrics_int", lambda a: _with(a, return_metrics=1), TypeError, "return_metrics"),
+    ("return_lse_str", lambda a: _with(a, return_lse="no"), TypeError, "return_lse"),
+    # float options: numbers or 0-d tensors without gradient; not bools
+    ("softcap_1d_tensor", lambda a: _with(a, softcap=torch.tensor([30.0])), ValueError, "softcap"),
+    ("softcap_tensor_requiring_grad", lambda a: _with(a, softcap=torch.tensor(30.0, requires_grad=True)),
+     ValueError, "softcap"),
+    ("softcap_0d_tensor_zero", lambda a: _with(a, softcap=torch.tensor(0.0)), ValueError, "softcap"),
+    ("logit_scale_bool", lambda a: _with(a, logit_scale=True), TypeError, "logit_scale"),
+    ("label_smoothing_str", lambda a: _with(a, label_smoothing="0.1"), ValueError, "label_smoothing"),
+    ("shift_negative", lambda a: _with(a, shift=-1), ValueError, "shift"),
+    ("shift_float", lambda a: _with(a, shift=1.0), TypeError, "shift"),
+    ("shift_bool", lambda a: _with(a, shift=True), TypeError, "shift"),
+    ("shift_without_sequence", lambda a: _with(a, hidden=a["hidden"][0], targets=a["targets"][0], shift=1),
+     ValueError, "shift"),
 ]
 
 
@@ -94,6 +110,24 @@ def test_valid_edge_values_are_accepted(flce, inputs):
         assert_rel(loss, expected, tolerance(torch.float32, "loss"), str(kwargs))
     targets32 = inputs["targets"].int()
     assert torch.isfinite(flce.fused_linear_cross_entropy(**_with(inputs, targets=targets32)))
+
+
+def test_zero_dim_tensor_options_equal_their_values(flce, inputs):
+    """softcap, logit_scale, label_smoothing and z_loss_scale as 0-d tensors (on the inputs' device,
+    read once on the host) give exactly the loss and gradients of the same values as floats."""
+    values = dict(softcap=torch.tensor(3.0), logit_scale=torch.tensor(0.7), label_smoothing=torch.tensor(0.1),
+                  z_loss_scale=torch.tensor(1e-3, dtype=torch.float64))
+    results = []
+    for options in ({k: v.to(DEVICE) for k, v in values.items()}, {k: float(v) for k, v in values.items()}):
+        hidden, weight, bias = (inputs[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+        loss = flce.fused_linear_cross_entropy(hidden, weight, inputs["targets"], bias, **options)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad, weight.grad, bias.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    expected = reference(inputs["hidden"], inputs["weight"], inputs["targets"], inputs["bias"],
+                         **{k: float(v) for k, v in values.items()}).loss
+    assert_rel(results[0][0], expected, tolerance(torch.float32, "loss"), "loss")
 
 
 # ---- targets out of range with the check disabled -----------------------------------------------

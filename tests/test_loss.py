@@ -36,9 +36,10 @@ def check_grads(tensors, ref, dtype):
 def check_metrics(metrics, ref, dtype, reduction="mean"):
     """The sums, the per-row predictions and, with reduction "none", the per-row metrics."""
     per_row = {"correct_tokens", "entropy"} if reduction == "none" else set()
-    assert set(metrics) == {"num_correct_tokens", "entropy_sum", "predictions"} | per_row
+    assert set(metrics) == {"num_correct_tokens", "entropy_sum", "num_valid_tokens", "predictions"} | per_row
     correct, entropy = metrics["num_correct_tokens"], metrics["entropy_sum"]
     assert correct.dtype == torch.int64 and correct.dim() == 0
+    assert metrics["num_valid_tokens"].dtype == torch.int64 and int(metrics["num_valid_tokens"]) == ref.num_valid
     assert entropy.dtype == torch.float32 and entropy.dim() == 0
     # Random inputs: no two logits of a row within a rounding of each other at the top,
     # so the count is exact (an assertion, not a skip, if the seed ever made one).

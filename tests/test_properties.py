@@ -118,6 +118,55 @@ def test_random_problems_match_reference(flce, p):
             assert_rel(t.grad, expected, grad_tol, f"grad_{name}", floor=max(floor, 1e-6))
 
 
+# ---- the causal-LM shift -------------------------------------------------------------------------
+@settings(max_examples=FEW_EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lead=st.sampled_from([(13,), (2, 7), (2, 2, 5)]), h=st.integers(1, 24),
+       v=st.integers(2, 100), dtype=dtypes, shift=st.integers(1, 3), reduction=st.sampled_from(["mean", "sum", "none"]),
+       softcap=st.sampled_from([None, 4.0]), return_lse=st.booleans(), ignore=st.sampled_from([0.0, 0.4]),
+       chunk_rows=st.one_of(st.none(), st.integers(1, 8)))
+def test_shift_equals_explicitly_shifted_inputs(flce, seed, lead, h, v, dtype, shift, reduction, softcap, return_lse,
+                                                ignore, chunk_rows):
+    """``shift=k`` scores position i against ``targets[..., i + k]``: the loss, lse and metrics of
+    ``hidden[..., :-k, :]`` against ``targets[..., k:]`` (float64 reference), their gradients, and
+    exactly zero gradient at the last k positions of hidden."""
+    gen = _gen(seed)
+    hidden = torch.randn(*lead, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) / h**0.5
+    targets = torch.randint(0, v, lead, generator=gen)
+    targets[torch.rand(lead, generator=gen) < ignore] = -100
+    targets[..., -1] = v - 1  # at least one position with a loss, whatever k
+    hidden, weight = _to((DEVICE, dtype), hidden, weight)
+    targets = targets.to(DEVICE)
+    with env(FLCE_CHUNK_ROWS=chunk_rows, **NO_AUTOTUNE):
+        loss, metrics, *lse = flce.fused_linear_cross_entropy(hidden, weight, targets, softcap=softcap,
+                                                              reduction=reduction, return_metrics=True,
+                                                              return_lse=return_lse, shift=shift)
+        grad_output = torch.randn(loss.shape, generator=gen) if loss.dim() else torch.tensor(0.7)
+        (loss * grad_output.to(DEVICE)).sum().backward()
+
+    kept_hidden, kept_targets = hidden[..., :-shift, :], targets[..., shift:]
+    ref = reference(kept_hidden, weight, kept_targets, softcap=softcap, reduction=reduction, grad_output=grad_output)
+    num_valid = int((kept_targets != -100).sum())
+    assert loss.shape == ref.loss.shape and int(metrics["num_valid_tokens"]) == num_valid
+    # Error scales as in test_random_problems_match_reference.
+    z_max = 1.0 + ref.logits.abs().max().item()
+    tol, grad_tol = tolerance(dtype, "loss"), tolerance(dtype, "grad")
+    assert_rel(loss, ref.loss, tol, "loss", floor=(num_valid if reduction == "sum" else 1) * z_max)
+    if return_lse:
+        assert lse[0].shape == kept_targets.shape
+        assert_rel(lse[0], ref.lse, tol, "lse", floor=z_max)
+    assert_rel(metrics["entropy_sum"], ref.entropy_sum, tol, "entropy_sum", floor=num_valid * z_max)
+    correct = int(metrics["num_correct_tokens"])
+    assert ref.num_correct_unambiguous <= correct <= ref.num_correct_unambiguous + ref.num_ambiguous
+
+    row_grad = grad_output.abs().max().item() / (num_valid if reduction == "mean" else 1)
+    assert_rel(hidden.grad[..., :-shift, :], ref.grad_hidden, grad_tol, "grad_hidden",
+               floor=max(row_grad * weight.detach().abs().max().item(), 1e-6))
+    assert torch.count_nonzero(hidden.grad[..., -shift:, :]) == 0
+    assert_rel(weight.grad, ref.grad_weight, grad_tol, "grad_weight",
+               floor=max(row_grad * hidden.detach().abs().max().item(), 1e-6))
+
+
 # ---- shift invariance -----------------------------------------------------------------------
 def _integer_problem(seed, n, h, v, low=-3, high=4):
     """Small-integer inputs: every logit (sums of small integer products) is exact in fp32."""

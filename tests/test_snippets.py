@@ -1,5 +1,6 @@
-"""Every ```python block of docs/integrations.md, and of README.md's "Integrations" section,
-runs as is (tiny CPU models, nothing downloaded) and its own asserts hold.
+"""Every ```python block of docs/integrations.md, and of README.md's quickstart, causal-LM example,
+metrics and integrations sections, runs as is (tiny CPU models, nothing downloaded) and its own
+asserts hold.
 
 Each block runs in a fresh namespace from the repository root, on the CPU's PyTorch path (as a
 user's CPU run, without TRITON_INTERPRET). Without CUDA, ``torch.compile`` is given the
@@ -16,10 +17,13 @@ import torch
 from conftest import HAS_CUDA
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {  # file -> the heading of the section to read (None: the whole file)
-    "docs/integrations.md": None,
-    "README.md": "Integrations",
-}
+SOURCES = [  # (file, the heading of the section to read; None: the whole file)
+    ("docs/integrations.md", None),
+    ("README.md", "Quickstart: a transformers model"),
+    ("README.md", "A causal LM"),
+    ("README.md", "Metrics"),
+    ("README.md", "Integrations"),
+]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
@@ -36,13 +40,16 @@ def _section(text: str, heading: str | None) -> str:
 
 def _snippets():
     found = []
-    for name, heading in SOURCES.items():
+    for name, heading in SOURCES:
         path = ROOT / name
         if not path.exists():
             found.append(pytest.param(name, 0, None, marks=pytest.mark.skip(reason=f"{name} is absent"), id=name))
             continue
         text = path.read_text()
         section = _section(text, heading)
+        if not section:  # a renamed heading fails here rather than running nothing
+            found.append(pytest.param(name, 0, f"raise AssertionError({f'no section {heading!r}'!r})", id=name))
+            continue
         offset = text.index(section) if section else 0
         for match in _BLOCK.finditer(section):
             line = text.count("\n", 0, offset + match.start()) + 1
@@ -51,7 +58,7 @@ def _snippets():
 
 
 def test_docs_have_snippets():
-    assert len([p for p in _snippets() if p.values[2] is not None]) >= 6
+    assert len([p for p in _snippets() if p.values[2] is not None]) >= 10
 
 
 @pytest.mark.parametrize(("name", "line", "code"), _snippets())

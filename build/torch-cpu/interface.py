@@ -1,10 +1,12 @@
 """The public function: argument checks, shapes, and the choice of the gradient path."""
 
 import math
+import numbers
 import operator
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._distributed import vocabulary_layout
@@ -81,6 +83,46 @@ def _check_class_weight(class_weight, vocab_size: int, hidden: Tensor) -> None:
         raise ValueError(f"class_weight is on {class_weight.device} but hidden is on {hidden.device}")
     if class_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("class_weight takes no gradient (as in F.cross_entropy): pass class_weight.detach()")
+
+
+def _number(name: str, value):
+    """A float option given as a Python number or a 0-d tensor (read once on the host), as a
+    float; None stays None. A tensor that requires grad is refused: the loss has no gradient
+    with respect to these options."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got a bool")
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or value.is_complex():
+            raise ValueError(f"{name} must be a number or a 0-d real tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}")
+        if value.requires_grad:
+            raise ValueError(f"{name} is a tensor that requires grad, but the loss has no gradient with respect to "
+                             f"{name}: pass a number, or detach it")
+        return float(value.item())
+    return float(value) if isinstance(value, numbers.Real) else value
+
+
+def _check_options(targets: Tensor, return_metrics, return_lse, shift) -> None:
+    for name, value in (("return_metrics", return_metrics), ("return_lse", return_lse)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"shift must be an int, got {type(shift).__name__} {shift!r}")
+    if shift < 0:
+        raise ValueError(f"shift must be >= 0, got {shift}")
+    if shift and targets.dim() == 0:
+        raise ValueError("shift needs a sequence dimension: targets is 0-d")
+
+
+def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
+    """Position i's target becomes ``targets[..., i + shift]``; the last ``shift`` positions get
+    ``ignore_index``, which is the same loss as dropping them from hidden (without a copy of it)."""
+    return F.pad(targets[..., shift:], (0, min(shift, targets.shape[-1])), value=ignore_index)
+
+
+def _drop_shifted(per_row: Tensor, shift: int) -> Tensor:
+    """The positions that have a shifted target: all but the last ``shift``."""
+    return per_row[..., : max(per_row.shape[-1] - shift, 0)] if shift else per_row
 
 
 def _autocast(hidden, weight, bias):
@@ -170,6 +212,7 @@ def fused_linear_cross_entropy(
     class_weight: Tensor | None = None,
     process_group: "torch.distributed.ProcessGroup | None" = None,
     vocab_start: int | None = None,
+    shift: int = 0,
 ):
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without the logits.
 
@@ -187,16 +230,19 @@ def fused_linear_cross_entropy(
         bias: (V,) in hidden's dtype, or None.
         ignore_index: target value of ignored rows.
         logit_scale: multiplies the logits (before the softcap).
-        softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``.
+        softcap: if set (> 0), logits become ``softcap * tanh(z / softcap)``. This option and
+            the other float ones take a number or a 0-d tensor (read on the host, no gradient).
         reduction: "mean" (over non-ignored rows, or weighted by ``class_weight``; NaN when all
             are ignored, as PyTorch), "sum", or "none" (float32 of targets' shape, 0 at ignored
             rows).
         return_metrics: also return ``{"num_correct_tokens": int64, "entropy_sum": float32,
-            "predictions": int64}``: sums over non-ignored rows of (argmax == target) and of the
-            softmax entropy in nats, and the argmax of each row (targets' shape, -1 at ignored rows); with
-            reduction "none" also per row ``"correct_tokens"`` (bool, False at ignored rows) and
-            ``"entropy"`` (float32, 0 at ignored rows). Forward-only, unweighted by
-            ``class_weight``; the loss and gradients are bit-identical either way.
+            "num_valid_tokens": int64, "predictions": int64}``: sums over non-ignored rows of
+            (argmax == target) and of the softmax entropy in nats, the count of those rows
+            (``token_metrics`` turns them into means), and the argmax of each row (targets'
+            shape, -1 at ignored rows); with reduction "none" also per row ``"correct_tokens"``
+            (bool, False at ignored rows) and ``"entropy"`` (float32, 0 at ignored rows).
+            Forward-only, unweighted by ``class_weight``; the loss and gradients are
+            bit-identical either way.
         label_smoothing: PyTorch's label smoothing, in [0, 1].
         z_loss_scale: weight of the z-loss ``logsumexp(z)**2`` (PaLM), >= 0.
         return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
@@ -212,6 +258,11 @@ def fused_linear_cross_entropy(
             slice's gradients.
         vocab_start: index of this rank's first vocabulary row; by default the slices are
             taken to lie in rank order (found with one all-gather, cached).
+        shift: the causal-LM shift along the last dim of ``targets`` (the sequence dim of
+            ``hidden``): with ``shift=1``, position i is scored against ``targets[..., i + 1]``,
+            i.e. the last position of hidden and the first target are dropped, as
+            transformers does for ``labels``. With ``reduction="none"`` and ``return_lse`` the
+            outputs have ``shift`` fewer positions.
 
     DTensor inputs: ``weight`` (and ``bias``) placed ``Shard(0)`` on a 1-D device mesh, with
     ``hidden`` and ``targets`` plain or ``Replicate()`` on that mesh, is vocabulary parallelism
@@ -243,12 +294,18 @@ def fused_linear_cross_entropy(
             fused_linear_cross_entropy, hidden, weight, targets, bias, ignore_index, logit_scale, softcap,
             reduction, return_metrics, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
             return_lse=return_lse, class_weight=class_weight, process_group=process_group, vocab_start=vocab_start,
-            check_targets=_targets_checked(),
+            shift=shift, check_targets=_targets_checked(targets),
         )
     hidden, weight, bias = _autocast(hidden, weight, bias)
+    logit_scale, softcap, label_smoothing, z_loss_scale = (
+        _number(name, value) for name, value in (("logit_scale", logit_scale), ("softcap", softcap),
+                                                 ("label_smoothing", label_smoothing), ("z_loss_scale", z_loss_scale)))
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
     ignore_index = _checked_ignore_index(ignore_index)
     _check_no_dual(hidden, weight, bias)
+    _check_options(targets, return_metrics, return_lse, shift)
+    if shift:
+        targets = _shift_targets(targets, shift, ignore_index)
     vocab_size, hidden_size = weight.shape
     functorch = _under_functorch()
     group_name, total_vocab_size = None, vocab_size
@@ -298,15 +355,16 @@ def fused_linear_cross_entropy(
     if target_check is not None:
         _finish_target_check(target_check, targets, total_vocab_size, ignore_index)
     if reduction == "none":
-        loss = loss.reshape(leading_shape)
+        loss = _drop_shifted(loss.reshape(leading_shape), shift)
     outputs = [loss]
     if return_metrics:
         metrics = {"num_correct_tokens": num_correct, "entropy_sum": entropy_sum,
-                   "predictions": prediction.reshape(leading_shape)}
+                   "num_valid_tokens": (targets_1d != ignore_index).sum(),
+                   "predictions": _drop_shifted(prediction.reshape(leading_shape), shift)}
         if reduction == "none":
-            metrics["correct_tokens"] = correct.reshape(leading_shape)
-            metrics["entropy"] = entropy.reshape(leading_shape)
+            metrics["correct_tokens"] = _drop_shifted(correct.reshape(leading_shape), shift)
+            metrics["entropy"] = _drop_shifted(entropy.reshape(leading_shape), shift)
         outputs.append(metrics)
     if return_lse:
-        outputs.append(lse.reshape(leading_shape))
+        outputs.append(_drop_shifted(lse.reshape(leading_shape), shift))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)

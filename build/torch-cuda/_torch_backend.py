@@ -1,20 +1,29 @@
 """The same chunk-level operations as ``_triton_backend``, in plain PyTorch.
 
 Used for CPU tensors outside the Triton interpreter, so that a training script runs on a
-laptop or in CI. A chunk's logits are computed whole in fp32 ([rows, V], the bounded
-buffer; fp64 for fp64 inputs), never the (N, V) matrix.
+laptop or in CI. A chunk's logits are computed whole in fp32 (fp64 for fp64 inputs) into the
+chunk buffer ([rows, V], never the (N, V) matrix) and then transformed in place: into exponentials relative to the row
+max in the forward, into grad logits once the lse is known. Besides the buffer a chunk needs
+at most one array of its size (the softcap's derivative) and vectors of [rows]; the entropy
+term of the metrics is summed over blocks of a few rows.
 """
 
 import torch
 
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
+# Elements of the per-block temporaries of the entropy term (4 MiB of fp32).
+_BLOCK_ELEMENTS = 2**20
+
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1) -> int:
-    """Rows per chunk: the fp32 logits of a chunk, rows x V, stay under a fixed size
-    (a vocabulary slice of one of ``shards`` ranks: ``shards`` times the rows)."""
+    """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
+    inputs, the grad logits cast to that dtype stay under FLCE_BUFFER_MIB together (a vocabulary
+    slice of one of ``shards`` ranks: ``shards`` times the rows)."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
-    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // (4 * vocab_size)))
+    acc_size = accumulation_dtype(dtype).itemsize
+    bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))
+    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // bytes_per_row))
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -22,16 +31,24 @@ def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.dev
     return torch.empty((rows, vocab_size), dtype=accumulation_dtype(dtype), device=device)
 
 
-def _logits(hidden, weight, bias, opts: LossOptions) -> torch.Tensor:
-    """Final fp32 (fp64 for fp64 inputs) logits z [rows, V] of a chunk."""
+def _logits(hidden, weight, bias, opts: LossOptions, out=None) -> torch.Tensor:
+    """Final fp32 (fp64 for fp64 inputs) logits z [rows, V] of a chunk, written into ``out`` when given."""
     acc_dtype = accumulation_dtype(hidden.dtype)
-    logits = hidden.to(acc_dtype) @ weight.to(acc_dtype).T
+    if out is None:
+        out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=acc_dtype, device=hidden.device)
+    torch.mm(hidden.to(acc_dtype), weight.to(acc_dtype).T, out=out)
     if bias is not None:
-        logits += bias.to(acc_dtype)
-    logits *= opts.logit_scale
+        out += bias.to(acc_dtype)
+    if opts.logit_scale != 1.0:
+        out *= opts.logit_scale
     if opts.has_softcap:
-        logits = opts.softcap * torch.tanh(logits / opts.softcap)
-    return logits
+        out.div_(opts.softcap).tanh_().mul_(opts.softcap)
+    return out
+
+
+def _softcap_grad(logits, opts: LossOptions) -> torch.Tensor:
+    """dz/du = 1 - (z / softcap)^2 [rows, V] of the soft-capped logits z."""
+    return torch.div(logits, opts.softcap).square_().neg_().add_(1.0)
 
 
 def _safe(row_max: torch.Tensor) -> torch.Tensor:
@@ -39,32 +56,56 @@ def _safe(row_max: torch.Tensor) -> torch.Tensor:
     return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
 
 
+def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
+    """Turns s = z - max [rows, V] into exp(s) in place; returns -sum_j exp(s_j) * s_j [rows]
+    (terms with exp(s_j) = 0 count 0, also where s_j = -inf), one block of rows at a time."""
+    rows, vocab_size = shifted.shape
+    entropy_term = torch.empty(rows, dtype=shifted.dtype, device=shifted.device)
+    block = max(1, _BLOCK_ELEMENTS // max(vocab_size, 1))
+    lowest = torch.finfo(shifted.dtype).min
+    for start in range(0, rows, block):
+        s = shifted[start:start + block]
+        e = s.exp()
+        torch.sum(e * s.clamp_min_(lowest), dim=1, out=entropy_term[start:start + block])
+        s.copy_(e)
+    return entropy_term.neg_()
+
+
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
               class_weight=None):
-    """Softmax statistics of a chunk of rows; with ``shifted_out`` also keeps the logits.
-    ``class_weight`` [V] (with label smoothing only) weights the logit sum. (``row_ref`` and
-    ``loss_grad`` belong to the factored gradient, which this backend never takes.)"""
-    logits = _logits(hidden, weight, bias, opts)
-    if shifted_out is not None:
-        shifted_out.copy_(logits)
+    """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
+    buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
+    (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
+    the logit sum. (``row_ref`` and ``loss_grad`` belong to the factored gradient, which this
+    backend never takes.)"""
+    logits = _logits(hidden, weight, bias, opts, out=shifted_out)
     vocab_size = logits.shape[1]
-    row_max = logits.max(dim=1).values
-    shifted = logits - _safe(row_max)[:, None]
-    exp_shifted = shifted.exp()
+    argmax = None
+    if opts.return_metrics:
+        row_max, argmax = logits.max(dim=1)  # the first index of the max, as argmax
+    else:
+        row_max = logits.amax(dim=1)
     in_range = (targets >= 0) & (targets < vocab_size)
     picked = logits.gather(1, targets.clamp(0, vocab_size - 1).long()[:, None])[:, 0]
+    logit_sum = None
+    if opts.has_smoothing:
+        logit_sum = (logits.sum(dim=1) if class_weight is None
+                     else torch.mv(logits, class_weight.to(logits.dtype)))
+    # The gradient needs the softcap's derivative at z, which the exponentials overwrite.
+    softcap_grad = _softcap_grad(logits, opts) if shifted_out is not None and opts.has_softcap else None
+    logits.sub_(_safe(row_max)[:, None])
+    entropy_term = _exp_with_entropy_term_(logits) if opts.return_metrics else None
+    if entropy_term is None:
+        logits.exp_()
     stats = RowStats(
         row_max=row_max,
-        sum_exp=exp_shifted.sum(dim=1),
+        sum_exp=logits.sum(dim=1),
         target_logit=torch.where(in_range, picked, torch.full_like(picked, float("nan"))),
+        entropy_term=entropy_term,
+        argmax=argmax,
+        logit_sum=logit_sum,
     )
-    if opts.return_metrics:
-        terms = torch.where(exp_shifted > 0, -exp_shifted * shifted, torch.zeros_like(shifted))
-        stats.entropy_term = terms.sum(dim=1)
-        stats.argmax = logits.argmax(dim=1)
-    if opts.has_smoothing:
-        stats.logit_sum = (logits if class_weight is None else logits * class_weight).sum(dim=1)
-    return stats, None
+    return stats, (row_max, softcap_grad)
 
 
 def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults) -> None:
@@ -87,32 +128,42 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
         out.entropy.copy_(torch.where(valid, entropy, torch.zeros_like(entropy)))
 
 
-def _grad_from_logits(logits, targets, lse, loss_grad, lse_grad, opts: LossOptions, class_weight=None,
-                      smooth_grad=None) -> torch.Tensor:
-    """d out / d u [rows, V] in fp32 from the final logits z (see ``_kernels`` for the maths)."""
-    vocab_size = logits.shape[1]
-    probs = (logits - lse[:, None]).exp()
+def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: LossOptions, softcap_grad,
+                   bias_grad_acc, class_weight=None, smooth_grad=None) -> torch.Tensor:
+    """Turns ``probs`` [rows, V] (the softmax, times ``probs_scale`` [rows] when given) into
+    d out / d u in place (see ``_kernels`` for the maths); adds its column sums to
+    ``bias_grad_acc`` unless it is None. With label smoothing, ``class_weight`` [V] and
+    ``smooth_grad`` [rows] weight the smoothing term."""
+    vocab_size = probs.shape[1]
+    scale = opts.logit_scale
     prob_coef = loss_grad
     if opts.has_z_loss:
         prob_coef = prob_coef * (1.0 + 2.0 * opts.z_loss_scale * lse)
     if lse_grad is not None:
         prob_coef = prob_coef + lse_grad
-    target_coef = loss_grad * (1.0 - opts.label_smoothing)
-    grad = probs * prob_coef[:, None]
+    if probs_scale is not None:
+        prob_coef = prob_coef * probs_scale
+    probs.mul_((prob_coef * scale)[:, None])
     in_range = (targets >= 0) & (targets < vocab_size)
-    index = targets.clamp(0, vocab_size - 1).long()[:, None]
-    grad.scatter_add_(1, index, -torch.where(in_range, target_coef, torch.zeros_like(target_coef))[:, None])
+    target_coef = torch.where(in_range, loss_grad * ((1.0 - opts.label_smoothing) * scale), 0.0)
+    probs.scatter_add_(1, targets.clamp(0, vocab_size - 1).long()[:, None], -target_coef[:, None])
     if opts.has_smoothing and class_weight is not None:
-        grad -= (smooth_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size)))[:, None] * class_weight
+        smoothing = smooth_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size) * scale)
+        probs.sub_(smoothing[:, None] * class_weight.to(probs.dtype))
     elif opts.has_smoothing:
-        grad -= (loss_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size)))[:, None]
-    if opts.has_softcap:
-        grad *= 1.0 - (logits / opts.softcap) ** 2
-    grad *= opts.logit_scale
+        probs.sub_((loss_grad * (opts.label_smoothing * opts.inv_vocab_size(vocab_size) * scale))[:, None])
+    if softcap_grad is not None:
+        probs.mul_(softcap_grad)
+    # Rows without a gradient get exactly 0, even next to non-finite logits.
     keep = loss_grad != 0
     if lse_grad is not None:
         keep = keep | (lse_grad != 0)
-    return torch.where(keep[:, None], grad, torch.zeros_like(grad))
+    dropped = (~keep).nonzero()[:, 0]
+    if dropped.numel():
+        probs.index_fill_(0, dropped, 0.0)
+    if bias_grad_acc is not None:
+        bias_grad_acc += probs.sum(dim=0)
+    return probs
 
 
 def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
@@ -131,23 +182,23 @@ def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> 
 
 
 def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
-    """Grad logits [rows, V] from the logits kept by ``row_stats``; adds the column sums to
-    ``bias_grad_acc`` unless it is None."""
-    grad = _grad_from_logits(buffer, targets, lse, loss_grad, None, opts)
-    if bias_grad_acc is not None:
-        bias_grad_acc += grad.sum(dim=0)
-    return grad
+    """Grad logits [rows, V], in place in the buffer that ``row_stats`` filled with
+    exp(z - row max): the softmax is that times exp(row max - lse)."""
+    row_max, softcap_grad = state
+    probs_scale = (_safe(row_max) - lse).exp()
+    return _grad_in_place(buffer, probs_scale, targets, lse, loss_grad, None, opts, softcap_grad, bias_grad_acc)
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
                 class_weight=None, smooth_grad=None):
-    """Recomputes a chunk's logits and returns its grad logits [rows, V] (lse known); with label
-    smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight the smoothing term."""
-    grad = _grad_from_logits(_logits(hidden, weight, bias, opts), targets, lse, loss_grad, lse_grad, opts,
-                             class_weight, smooth_grad)
-    if bias_grad_acc is not None:
-        bias_grad_acc += grad.sum(dim=0)
-    return grad
+    """Recomputes a chunk's logits into ``out`` and turns them into its grad logits [rows, V]
+    (lse known); with label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight
+    the smoothing term."""
+    logits = _logits(hidden, weight, bias, opts, out=out)
+    softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
+    probs = logits.sub_(lse[:, None]).exp_()
+    return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
+                          class_weight, smooth_grad)
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:

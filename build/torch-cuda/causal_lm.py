@@ -8,7 +8,8 @@ same from ``hidden_states`` and the lm_head, without the (tokens, vocab) logits.
 
 The model-level helpers (``logit_options``, ``fused_forward``, ``patch_forward``) read a
 transformers model but import nothing from transformers at module level: the kernel has no
-Python dependencies.
+Python dependencies. ``patch_forward`` also takes a model class, or a model type such as
+``"llama"`` (then transformers is imported to find its ``*ForCausalLM`` class).
 """
 
 import functools
@@ -58,6 +59,7 @@ def causal_lm_loss(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     return_lse: bool = False,
+    reduction: str = "mean",
 ):
     """transformers' ``ForCausalLMLoss`` of the logits ``lm_head(hidden_states)``, without the logits.
 
@@ -82,10 +84,14 @@ def causal_lm_loss(
             where the label is ignored).
         label_smoothing, z_loss_scale: passed to ``fused_linear_cross_entropy`` (0 = off).
         return_lse: also return the per-position ``logsumexp(z)``, float32 of the targets' shape.
+        reduction: "mean" (transformers' loss, as above), "sum" (the sum over the non-ignored
+            positions) or "none" (float32 (B, S): position i's loss against ``labels[..., i + 1]``,
+            0 at ignored positions and at the last one); ``num_items_in_batch`` divides "mean" only.
 
     Returns:
-        ``loss`` (0-d float32), or ``(loss, metrics)``, ``(loss, lse)``, ``(loss, metrics, lse)``.
-        With mean reduction and no valid position the loss is NaN, as in transformers.
+        ``loss`` (0-d float32, or (B, S) with "none"), or ``(loss, metrics)``, ``(loss, lse)``,
+        ``(loss, metrics, lse)``. With mean reduction and no valid position the loss is NaN, as in
+        transformers.
     """
     if shift_labels is None:
         if labels is None:
@@ -97,19 +103,21 @@ def causal_lm_loss(
     if targets.shape[0] != hidden_2d.shape[0]:
         raise ValueError(f"labels have {targets.shape[0]} positions but hidden_states has {hidden_2d.shape[0]}")
     hidden_2d, weight, bias = _autocast_inputs(hidden_2d, lm_head_weight, lm_head_bias)
-    reduction = "mean" if num_items_in_batch is None else "sum"
+    divide = reduction == "mean" and num_items_in_batch is not None
     out = fused_linear_cross_entropy(
-        hidden_2d, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, return_metrics,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
+        hidden_2d, weight, targets, bias, ignore_index, logit_scale, softcap, "sum" if divide else reduction,
+        return_metrics, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
     )
     out = list(out) if isinstance(out, tuple) else [out]
-    if num_items_in_batch is not None:
+    if divide:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(out[0].device)
         out[0] = out[0] / num_items_in_batch
     if return_metrics:
-        out[1] = {**out[1], "num_valid_tokens": (targets != ignore_index).sum(),
-                  "predictions": out[1]["predictions"].reshape(shift_labels.shape)}
+        per_row = ("predictions", "correct_tokens", "entropy")
+        out[1] = {**out[1], **{k: out[1][k].reshape(shift_labels.shape) for k in per_row if k in out[1]}}
+    if reduction == "none":
+        out[0] = out[0].reshape(shift_labels.shape)
     if return_lse:
         out[-1] = out[-1].reshape(shift_labels.shape)
     return out[0] if len(out) == 1 else tuple(out)
@@ -118,13 +126,14 @@ def causal_lm_loss(
 def token_metrics(
     metrics: dict[str, Tensor], sum_across: Callable[[Tensor], Tensor] | None = None
 ) -> dict[str, Tensor]:
-    """Token accuracy and mean entropy from the sums of ``causal_lm_loss(..., return_metrics=True)``.
+    """Token accuracy and mean entropy from the metric sums of ``return_metrics=True``.
 
     Each sum is first summed over ranks, then divided, so that the result is the ratio over all the
     ranks' tokens (not a mean of per-rank ratios). 0 when there is no valid token (as TRL logs).
 
     Args:
-        metrics: ``{"num_correct_tokens", "entropy_sum", "num_valid_tokens"}``, 0-d tensors.
+        metrics: ``{"num_correct_tokens", "entropy_sum", "num_valid_tokens"}``, 0-d tensors, as
+            ``fused_linear_cross_entropy`` and ``causal_lm_loss`` return them with ``return_metrics=True``.
         sum_across: sums a 0-d tensor over the ranks, e.g.
             ``lambda t: accelerator.gather_for_metrics(t).sum()``. By default an all-reduce of the
             default ``torch.distributed`` group when one is initialised, else the identity.
@@ -134,6 +143,9 @@ def token_metrics(
     """
     if sum_across is None:
         sum_across = _all_reduce_sum
+    missing = {"num_correct_tokens", "entropy_sum", "num_valid_tokens"} - metrics.keys()
+    if missing:
+        raise KeyError(f"token_metrics needs the metrics of return_metrics=True; missing {sorted(missing)}")
     num_valid = sum_across(metrics["num_valid_tokens"].detach()).float()
     correct = sum_across(metrics["num_correct_tokens"].detach()).float()
     entropy = sum_across(metrics["entropy_sum"].detach()).float()
@@ -226,6 +238,7 @@ def fused_forward(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     return_lse: bool = False,
+    reduction: str = "mean",
     **kwargs,
 ):
     """A transformers ``*ForCausalLM`` forward whose loss skips the logits.
@@ -239,12 +252,12 @@ def fused_forward(
         model: a transformers causal LM (``LlamaForCausalLM``, ``Gemma2ForCausalLM``...).
         *args, **kwargs: the model's inputs (input_ids, attention_mask, position_ids...).
         labels, shift_labels, num_items_in_batch, ignore_index: as for the model's loss.
-        return_metrics, label_smoothing, z_loss_scale, return_lse: see ``causal_lm_loss``.
+        return_metrics, label_smoothing, z_loss_scale, return_lse, reduction: see ``causal_lm_loss``.
 
     Returns:
-        A ``FusedCausalLMOutput`` with ``loss`` (0-d float32), ``logits=None``, the backbone's
-        ``past_key_values``/``hidden_states``/``attentions``, ``metrics`` (with return_metrics)
-        and ``lse`` (B, S) (with return_lse).
+        A ``FusedCausalLMOutput`` with ``loss`` (0-d float32; (B, S) with reduction "none"),
+        ``logits=None``, the backbone's ``past_key_values``/``hidden_states``/``attentions``,
+        ``metrics`` (with return_metrics) and ``lse`` (B, S) (with return_lse).
     """
     inputs = _named_arguments(model, args, kwargs)
     labels = inputs.pop("labels", labels)
@@ -259,7 +272,7 @@ def fused_forward(
     loss = functools.partial(
         causal_lm_loss, labels=labels, num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
         shift_labels=shift_labels, **logit_options(model.config), return_metrics=return_metrics,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse,
+        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, return_lse=return_lse, reduction=reduction,
     )
     result = _output_head_loss(model.get_output_embeddings(), hidden, loss)
     result = list(result) if isinstance(result, tuple) else [result]
@@ -301,29 +314,105 @@ def _loss_of_parameters(module, hidden: Tensor, loss: Callable):
     return loss(hidden, lm_head_weight=module.weight, lm_head_bias=module.bias)
 
 
-def patch_forward(model, *, when_training: bool = True):
-    """Makes ``model(...)`` compute its loss with ``fused_forward``, in place; returns the model.
+def _causal_lm_class(model_type: str) -> type:
+    """transformers' ``*ForCausalLM`` class of a model type ("llama", "qwen2", "gemma2"...)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    After it, ``model(**inputs, labels=labels)`` takes the fused path while ``model.training``
-    (when ``when_training``), and ``model(..., fused_loss=True)`` always does; otherwise (eval,
-    generation, no labels, ``fused_loss=False``) the original forward runs and returns logits.
-    The fused path also takes ``return_metrics``, ``label_smoothing``, ``z_loss_scale`` and
-    ``return_lse`` (see ``fused_forward``). Wrappers (DDP, FSDP, accelerate) keep working since
-    the call still goes through ``model.forward``; the patched forward keeps the class forward's
-    signature, which the HF Trainer and ``generate`` inspect.
-    """
-    # An attribute rather than a closure: copy.deepcopy rebinds it to the copy (a reference
-    # model made by deepcopy must not run the original's weights).
-    model._flce_original_forward = model.forward
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise ValueError(f"no causal-LM class for model type {model_type!r} in transformers {transformers.__version__}")
+    return getattr(transformers, name)
 
-    @functools.wraps(type(model).forward)
+
+def _fused_or_original(call_original, signature_of, when_training: bool, reduction: str):
+    """The patched forward: ``fused_forward`` when asked (``fused_loss=True``) or when training with
+    labels (if ``when_training``), else ``call_original(self, *args, **kwargs)``."""
+
+    @functools.wraps(signature_of)
     def forward(self, *args, fused_loss: bool | None = None, **kwargs):
         if fused_loss is None:
             has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
             fused_loss = when_training and self.training and has_labels
         if fused_loss:
-            return fused_forward(self, *args, **kwargs)
-        return self._flce_original_forward(*args, **kwargs)
+            return fused_forward(self, *args, **{"reduction": reduction, **kwargs})
+        return call_original(self, *args, **kwargs)
 
-    model.forward = types.MethodType(forward, model)
-    return model
+    forward._flce_patched = True
+    return forward
+
+
+def _call_unpatched(function, self, *args, **kwargs):
+    # A patched class under a patched model: the model's patch has decided already.
+    if getattr(function, "_flce_patched", False):
+        kwargs["fused_loss"] = False
+    return function(self, *args, **kwargs)
+
+
+def _call_instance_original(self, *args, **kwargs):
+    # Looked up on the model at each call, not kept in a closure: copy.deepcopy rebinds the
+    # attribute to the copy (a reference model made by deepcopy must not run the original's weights).
+    own = self._flce_original_forward
+    if own is not None:  # a forward set on the model itself before the patch
+        return own(*args, **kwargs)
+    return _call_unpatched(type(self).forward, self, *args, **kwargs)  # the class's, as it is now
+
+
+def patch_forward(model, *, when_training: bool = True, reduction: str = "mean"):
+    """Makes ``model(...)`` compute its loss with ``fused_forward``, in place; returns ``model``.
+
+    After it, ``model(**inputs, labels=labels)`` takes the fused path while ``model.training``
+    (when ``when_training``), and ``model(..., fused_loss=True)`` always does; otherwise (eval,
+    generation, no labels, ``fused_loss=False``) the original forward runs and returns logits.
+    The fused path also takes ``return_metrics``, ``label_smoothing``, ``z_loss_scale``,
+    ``return_lse`` and ``reduction`` (see ``fused_forward``); ``reduction`` here is its default.
+    Wrappers (DDP, FSDP, accelerate) keep working since the call still goes through
+    ``model.forward``; the patched forward keeps the class forward's signature, which the HF
+    Trainer and ``generate`` inspect.
+
+    Patching again replaces the previous patch (the latest options apply; the forward is wrapped
+    once); ``unpatch_forward`` undoes it.
+
+    Args:
+        model: a transformers causal-LM model; or its class (every instance, also those made later,
+            e.g. by ``from_pretrained`` inside a Trainer); or a model type such as ``"llama"``, for
+            transformers' ``*ForCausalLM`` class of that type.
+        when_training: take the fused path by default in training mode when labels are given.
+        reduction: "mean" (transformers' loss), "sum" or "none" (a (B, S) loss per position).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    target = _causal_lm_class(model) if isinstance(model, str) else model
+    unpatch_forward(target)
+    if isinstance(target, type):
+        original = target.forward
+        target._flce_class_forward = (original, "forward" in vars(target))
+        target.forward = _fused_or_original(functools.partial(_call_unpatched, original), original, when_training,
+                                            reduction)
+    else:
+        target._flce_original_forward = vars(target).get("forward")  # None: the class's own
+        forward = _fused_or_original(_call_instance_original, type(target).forward, when_training, reduction)
+        target.forward = types.MethodType(forward, target)
+    return target
+
+
+def unpatch_forward(model):
+    """Undoes ``patch_forward`` on a model, a model class or a model type; returns the model or
+    class. Nothing happens if it is not patched."""
+    target = _causal_lm_class(model) if isinstance(model, str) else model
+    if isinstance(target, type):
+        if "_flce_class_forward" in vars(target):
+            original, had_own = target._flce_class_forward
+            del target._flce_class_forward
+            if had_own:
+                target.forward = original
+            else:
+                del target.forward
+    elif "_flce_original_forward" in vars(target):
+        own = target._flce_original_forward
+        del target._flce_original_forward
+        if own is None:
+            del target.forward
+        else:
+            target.forward = own
+    return target

@@ -2,10 +2,22 @@
 
 A clean-room Triton implementation of the method of "Cut Your Losses in Large-Vocabulary
 Language Models" (Wijmans et al., 2024, arXiv 2411.09009).
+
+``trl`` (a TRL trainer) is imported on first use, as ``fused_linear_ce.trl`` or as the attribute:
+the package itself imports neither TRL nor transformers.
 """
 
+import importlib
+
 from . import causal_lm, layers
-from .causal_lm import causal_lm_loss, fused_forward, logit_options, patch_forward, token_metrics
+from .causal_lm import (
+    causal_lm_loss,
+    fused_forward,
+    logit_options,
+    patch_forward,
+    token_metrics,
+    unpatch_forward,
+)
 from .interface import fused_linear_cross_entropy
 
 __all__ = [
@@ -19,4 +31,13 @@ __all__ = [
     "logit_options",
     "patch_forward",
     "token_metrics",
+    "unpatch_forward",
 ]
+
+_LAZY_SUBMODULES = ("trl",)  # they import optional libraries
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
