@@ -239,7 +239,7 @@ def _logit_tile_kernel(
     holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
-    exponentials taken relative to that reference (see ``_tile_reference``). Tile ids put row
+    exponentials taken relative to that reference (see ``_exp_reference``). Tile ids put row
     blocks fastest, so the programs running together share one weight tile in L2 while
     the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
