@@ -66,7 +66,8 @@ def _chunks(n_rows: int, rows: int):
         yield start, min(n_rows, start + rows)
 
 
-_MM_OUT_DTYPE = [True]  # whether torch.mm takes out_dtype for these inputs (PyTorch >= 2.8 on CUDA)
+# torch.mm(..., out_dtype=) on CUDA: PyTorch >= 2.8 (the aten::mm.dtype overload).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -74,13 +75,8 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (rounded to 16 bits only after the row factors), where PyTorch allows it."""
     if a.dtype == torch.float32:
         return torch.mm(a, b)
-    if a.is_cuda and _MM_OUT_DTYPE[0]:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            _MM_OUT_DTYPE[0] = False
     if a.is_cuda:
-        return torch.mm(a, b).float()
+        return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
 
 
