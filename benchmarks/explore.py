@@ -35,6 +35,19 @@ def step_and_fwd(flce, hidden, weight, targets, rep_ms):
         do_bench(step, warmup=100, rep=rep_ms, return_mode="median"), step, (h, w)
 
 
+def step_extra_mib(step, tensors) -> float:
+    """Peak memory of one step above what was allocated before it, less the gradients (MiB)."""
+    for t in tensors:
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grads = sum(t.numel() * t.element_size() for t in tensors)
+    return (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+
+
 def back_to_back_ms(step, n=10):
     """Mean of n steps issued back to back (no cache flush between them), by CUDA events."""
     step()
@@ -170,7 +183,9 @@ def main():
                 loss = flce.fused_linear_cross_entropy(h, w, targets)
                 loss.backward()
                 loop_ms = back_to_back_ms(step)
+                extra_mib = step_extra_mib(step, (h, w))
                 rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "step_ms": step_ms, "loop_ms": loop_ms,
+                       "step_extra_mib": extra_mib,
                        "fwd_tflops": flops / fwd_ms / 1e9, "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
                        "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
                        "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}

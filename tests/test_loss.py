@@ -99,6 +99,12 @@ CASES = {
     "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
     "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
     "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
+    # A 16-bit grad_weight over many chunks, summed in groups of two into an fp32 sum (the
+    # small head's fp32 accumulator switched off), with and without the factored gradient.
+    "grouped_weight_sum": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0),
+                               ignore=0.2),
+    "grouped_weight_sum_bias": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=3, FLCE_WEIGHT_FP32_MIB=0),
+                                    bias=True, reduction="sum"),
 }
 
 

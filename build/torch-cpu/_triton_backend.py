@@ -97,11 +97,13 @@ def tile_width(dtype: torch.dtype) -> int:
     return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1) -> int:
+def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
+               spread: bool = True) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows; the forward alone keeps
-    only per-tile statistics and takes up to 4096 rows. The rows are then spread evenly
-    over the chunks (in multiples of 128), so that no small last chunk runs at a loss.
+    only per-tile statistics and takes up to 4096 rows. With ``spread`` the ``n_rows`` are
+    then spread evenly over the chunks (in multiples of 128), so that no small last chunk
+    runs at a loss; without it (the rows to compute are not known yet) the largest chunk.
     A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
@@ -112,6 +114,8 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
     if n_rows <= most:
         return max(1, n_rows)
+    if not spread:
+        return most
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
     return min(most, triton.cdiv(per_chunk, 128) * 128)
 

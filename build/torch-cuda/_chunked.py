@@ -80,6 +80,18 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for an fp32 ``acc``: 16-bit products accumulate into it in fp32 (on CUDA
+    inside the product, with no 16-bit rounding of a @ b; elsewhere through an fp32 product)."""
+    if a.is_cuda and a.dtype != torch.float32 and _ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += _mm_f32(a, b)
+
+
 class _RowOrder:
     """The rows with a loss first (``order`` int64 [N], a stable partition), so that the
     chunks stop at their count instead of computing and masking ignored rows, which add no
@@ -131,11 +143,22 @@ def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str
     return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean")
 
 
-def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None):
-    """[start, end) of each chunk: a first chunk of at most ``chunk`` rows, then the rows
-    that ``row_order`` computes (asked once the first chunk's work is queued), spread evenly
-    over chunks of at most ``chunk`` rows, in multiples of 128 (whole row blocks)."""
+def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool) -> int:
+    """Rows of the first chunk, computed before the count of rows with a loss is known. When
+    every row fits in one chunk but rows are skipped, a forward without gradients (which has no
+    per-chunk accumulation to pay for) computes half of them first, so that the ignored rows of
+    the other half are left out."""
     first = min(chunk, n_rows)
+    split = env_int("FLCE_SPLIT_FIRST", 1) == 1  # 0: no split (exploration)
+    if split and row_order is not None and not training and first == n_rows and n_rows >= 2048:
+        first = _cdiv(_cdiv(n_rows, 2), 128) * 128
+    return first
+
+
+def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None, first: int):
+    """[start, end) of each chunk: a first chunk of ``first`` rows, then the rows that
+    ``row_order`` computes (asked once the first chunk's work is queued), spread evenly over
+    chunks of at most ``chunk`` rows, in multiples of 128 (whole row blocks)."""
     if first == 0:
         return
     yield 0, first
@@ -162,6 +185,12 @@ class _Gradients:
                                     dtype=accumulation_dtype(hidden.dtype)) if want_b else None
         self.first = True
         self.computed = 0
+        # Chunks summed in the 16-bit grad_weight since it last restarted; past group_size of
+        # them, they go to the fp32 weight_sum (see _add_weight_chunk).
+        self.group_chunks = 0
+        sixteen_bit = hidden.element_size() < 4
+        self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if sixteen_bit else n_chunks + 1
+        self.weight_sum = None
 
     def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
@@ -190,14 +219,29 @@ class _Gradients:
             if row_factor is not None:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
-            lhs = grad_logits.to(hidden_c.dtype).t()
-            if self.grad_weight.dtype != hidden_c.dtype:  # an fp32 accumulator: one rounding per chunk
-                self.grad_weight += torch.mm(lhs, rhs)
-            elif self.first:
-                torch.mm(lhs, rhs, out=self.grad_weight)
-            else:
-                self.grad_weight.addmm_(lhs, rhs)
+            self._add_weight_chunk(grad_logits.to(hidden_c.dtype).t(), rhs)
         self.first = False
+
+    def _add_weight_chunk(self, lhs, rhs):
+        """grad_weight += lhs @ rhs. A 16-bit running sum is rounded once a chunk, so that its
+        error grows with the number of chunks; past ``group_size`` chunks the sum of each group
+        of chunks is added to an fp32 sum instead (``weight_sum``, V x H x 4 bytes whatever N),
+        and the 16-bit tensor restarts from the next chunk's product. The error is then that of
+        at most ``group_size`` chunks, for any number of rows."""
+        if self.grad_weight.dtype != lhs.dtype:  # an fp32 accumulator from the start (small heads)
+            _addmm_f32_(self.grad_weight, lhs, rhs)
+            return
+        if self.group_chunks == self.group_size:
+            if self.weight_sum is None:
+                self.weight_sum = self.grad_weight.float()
+            else:
+                self.weight_sum += self.grad_weight
+            self.group_chunks = 0
+        if self.group_chunks == 0:
+            torch.mm(lhs, rhs, out=self.grad_weight)
+        else:
+            self.grad_weight.addmm_(lhs, rhs)
+        self.group_chunks += 1
 
     def finish(self, dtype, bias):
         """(grad_hidden, grad_weight, grad_bias) in the inputs' dtype, all-reduces done; rows
@@ -208,7 +252,11 @@ class _Gradients:
                 self.grad_hidden.index_copy_(0, rows, block)
         if self.grad_hidden is not None and self.row_order is not None and self.computed < self.row_order.n_rows:
             self.grad_hidden.index_fill_(0, self.row_order.order[self.computed:], 0)
-        grad_weight = None if self.grad_weight is None else self.grad_weight.to(dtype)
+        grad_weight = self.grad_weight
+        if self.weight_sum is not None:  # one rounding of the fp32 sum of the groups and the last one
+            grad_weight = torch.add(self.weight_sum, grad_weight, out=grad_weight)
+            self.weight_sum = None
+        grad_weight = None if grad_weight is None else grad_weight.to(dtype)
         grad_bias = None if self.bias_acc is None else self.bias_acc.to(bias.dtype)
         return self.grad_hidden, grad_weight, grad_bias
 
@@ -223,19 +271,23 @@ def _concat_stats(chunks: list[RowStats]) -> RowStats:
 
 
 def _plan_chunk(backend, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
-                shard: Shard | None) -> int:
-    """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed)."""
+                shard: Shard | None, spread: bool = True) -> int:
+    """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed).
+    Without ``spread`` the largest chunk: when ignored rows are skipped, ``n_rows`` overstates
+    the rows to compute, and spreading it evenly would plan more chunks than they need."""
     if shard is None:
-        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training)
-    return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size)
+        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread)
+    return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size,
+                              spread=spread)
 
 
 def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
-    """grad_weight [V, H], accumulated over the chunks in the inputs' dtype; in fp32 when that
-    costs no more than the chunk buffer itself or 64 MiB, so that 16-bit rounding of the running
-    sum does not build up over many chunks of a small head."""
+    """grad_weight [V, H], accumulated over the chunks in the inputs' dtype; in fp32 from the
+    start when that costs no more than the chunk buffer itself or FLCE_WEIGHT_FP32_MIB (64 MiB),
+    so that 16-bit rounding of the running sum does not build up over many chunks of a small
+    head (larger heads bound it by groups of chunks: ``_Gradients._add_weight_chunk``)."""
     element_size = hidden.element_size()
-    allowance = max(chunk * vocab_size * element_size, 64 * 2**20)
+    allowance = max(chunk * vocab_size * element_size, env_int("FLCE_WEIGHT_FP32_MIB", 64) * 2**20)
     fp32 = n_chunks > 1 and element_size < 4 and vocab_size * hidden_size * 4 <= allowance
     if fp32:
         return torch.zeros((vocab_size, hidden_size), device=hidden.device, dtype=torch.float32)
@@ -324,8 +376,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     backend = backend_for(device)
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
-    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard)
     row_order = _row_order(backend, targets, opts, reduction, all_rows)
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard, spread=row_order is None)
+    first = _first_chunk_rows(n_rows, chunk, row_order, training)
     if row_order is not None:
         targets = row_order.targets
     # Per-row results in the computed order; rows never computed (ignored) keep these values.
@@ -347,7 +400,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
     factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
     if training:
-        buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, device)
+        buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
         if row_order is None or row_weight is not None:
             loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device), row_weight)
             loss_grad = kernel_row_grads(loss_grad, None, row_weight, weight_sum, opts, vocab_size)[0]
@@ -370,7 +423,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         return out
 
     computed = 0
-    for start, end in _spans(n_rows, chunk, row_order):
+    for start, end in _spans(n_rows, chunk, row_order, first):
         computed = end
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
         slice_targets_c = slice_targets[start:end]

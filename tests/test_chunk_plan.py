@@ -1,0 +1,75 @@
+"""The chunk plan: how many rows each chunk of the loop computes (pure Python, no kernels).
+
+When ignored rows are skipped, the number of rows to compute is known only once the first
+chunk's work is queued; the plan must then use as few chunks as that number needs."""
+
+import math
+
+import torch
+from conftest import submodule
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+class _Count:
+    """Stands for a ``_RowOrder`` whose count of rows with a loss is ``count``."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.asked = 0
+
+    def rows_to_compute(self) -> int:
+        self.asked += 1
+        return self.count
+
+
+def _plan(flce, n_rows, chunk, count, training):
+    chunked = submodule(flce, "_chunked")
+    order = None if count is None else _Count(count)
+    first = chunked._first_chunk_rows(n_rows, chunk, order, training)
+    return first, list(chunked._spans(n_rows, chunk, order, first))
+
+
+def test_llama3_step_at_8192_rows(flce):
+    """8192 rows of which 7373 have a loss, chunks of at most 1536 rows: five chunks, the
+    last four spread over the 5837 rows after the first, in whole blocks of 128 rows."""
+    first, spans = _plan(flce, 8192, 1536, 7373, training=True)
+    assert first == 1536
+    assert spans == [(0, 1536), (1536, 3072), (3072, 4608), (4608, 6144), (6144, 7373)]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(n_rows=st.integers(1, 20000), chunk=st.integers(1, 40).map(lambda k: 128 * k),
+       kept=st.floats(0.0, 1.0), training=st.booleans())
+def test_spans_cover_the_rows_to_compute_in_the_fewest_chunks(flce, n_rows, chunk, kept, training):
+    count = round(kept * n_rows)
+    first, spans = _plan(flce, n_rows, chunk, count, training)
+    total = max(first, count)
+    assert spans[0] == (0, first)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # contiguous
+    assert spans[-1][1] == total
+    assert all(0 < end - start <= chunk for start, end in spans)
+    # the first chunk is taken blind; after it, as few chunks as the remaining rows need
+    assert len(spans) == 1 + math.ceil((total - first) / chunk)
+
+
+def test_a_forward_that_fits_one_chunk_computes_half_first(flce, monkeypatch):
+    """Without gradients (no accumulation per chunk), 4096 rows that fit one chunk are taken as
+    2048 then the rest with a loss, so that ignored rows beyond them are left out; with
+    gradients, or when every row is computed anyway, one chunk."""
+    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
+    assert _plan(flce, 4096, 4096, 3686, training=False) == (2048, [(0, 2048), (2048, 3686)])
+    assert _plan(flce, 4096, 4096, 3686, training=True) == (4096, [(0, 4096)])
+    assert _plan(flce, 4096, 4096, None, training=False) == (4096, [(0, 4096)])
+    assert _plan(flce, 1024, 4096, 900, training=False) == (1024, [(0, 1024)])  # too few rows to split
+
+
+def test_chunk_rows_without_spread_is_the_largest_chunk(flce, monkeypatch):
+    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
+    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
+    backend = submodule(flce, "_triton_backend")
+    # 8192 rows in chunks of at most 1536: spread evenly, six chunks of 1408 (whole blocks of
+    # 128); without spreading, the cap itself.
+    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True) == 1408
+    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, spread=False) == 1536
+    assert backend.chunk_rows(1000, 128256, torch.bfloat16, True, spread=False) == 1000
