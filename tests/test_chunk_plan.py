@@ -68,8 +68,21 @@ def test_chunk_rows_without_spread_is_the_largest_chunk(flce, monkeypatch):
     monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
     monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
     backend = submodule(flce, "_triton_backend")
-    # 8192 rows in chunks of at most 1536: spread evenly, six chunks of 1408 (whole blocks of
-    # 128); without spreading, the cap itself.
-    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True) == 1408
-    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, spread=False) == 1536
-    assert backend.chunk_rows(1000, 128256, torch.bfloat16, True, spread=False) == 1000
+    # Llama-3's head, 8192 rows in chunks of at most 1536: spread evenly, six chunks of 1408
+    # (whole blocks of 128); without spreading, the cap itself.
+    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, hidden_size=4096) == 1408
+    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
+    assert backend.chunk_rows(1000, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1000
+
+
+def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce, monkeypatch):
+    """Its logits (V x 2 bytes a row), gathered hidden rows (H x 2) and fp32 grad_hidden block
+    (H x 4) within 2048 rows of logits: Llama-2's head (4096, 32000) takes 1408 rows
+    (1408 x 88576 bytes <= 2048 x 64000 < 1536 x 88576), a large vocabulary the 1536 cap."""
+    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
+    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
+    backend = submodule(flce, "_triton_backend")
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1408
+    assert backend.chunk_rows(8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
+    # Gemma-2's (2304, 256000): the 768 MiB buffer allows 1572 rows, so 1536
+    assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536

@@ -270,15 +270,15 @@ def _concat_stats(chunks: list[RowStats]) -> RowStats:
     return RowStats(**{f.name: joined(f.name) for f in fields(RowStats)})
 
 
-def _plan_chunk(backend, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
+def _plan_chunk(backend, n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, training: bool,
                 shard: Shard | None, spread: bool = True) -> int:
     """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed).
     Without ``spread`` the largest chunk: when ignored rows are skipped, ``n_rows`` overstates
     the rows to compute, and spreading it evenly would plan more chunks than they need."""
     if shard is None:
-        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread)
+        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread, hidden_size=hidden_size)
     return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size,
-                              spread=spread)
+                              spread=spread, hidden_size=hidden_size)
 
 
 def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
@@ -377,7 +377,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
     row_order = _row_order(backend, targets, opts, reduction, all_rows)
-    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, training, shard, spread=row_order is None)
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden_size, hidden.dtype, training, shard,
+                        spread=row_order is None)
     first = _first_chunk_rows(n_rows, chunk, row_order, training)
     if row_order is not None:
         targets = row_order.targets
@@ -489,7 +490,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
     loss_grad, lse_grad, smooth_grad = kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts, vocab_size)
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
-    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.dtype, True, shard)
+    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.shape[1], hidden.dtype, True, shard)
     gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), None, shard)
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)

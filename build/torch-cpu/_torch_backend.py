@@ -17,11 +17,12 @@ _BLOCK_ELEMENTS = 2**20
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True) -> int:
+               spread: bool = True, hidden_size: int = 0) -> int:
     """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
     inputs, the grad logits cast to that dtype stay under FLCE_BUFFER_MIB together (a vocabulary
     slice of one of ``shards`` ranks: ``shards`` times the rows). The largest such chunk, with
-    or without ``spread`` (the chunk loop's planning hint, which this backend needs not)."""
+    or without ``spread`` (the chunk loop's planning hint, which this backend needs not), for
+    any ``hidden_size``."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
     acc_size = accumulation_dtype(dtype).itemsize
     bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))

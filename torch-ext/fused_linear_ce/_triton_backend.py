@@ -65,6 +65,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
     "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
+    "HAS_LOGIT_SCALE", "EVEN_V",
 ]
 _autotuned = {}
 
@@ -98,18 +99,22 @@ def tile_width(dtype: torch.dtype) -> int:
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True) -> int:
+               spread: bool = True, hidden_size: int = 0) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
-    FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows; the forward alone keeps
-    only per-tile statistics and takes up to 4096 rows. With ``spread`` the ``n_rows`` are
-    then spread evenly over the chunks (in multiples of 128), so that no small last chunk
-    runs at a loss; without it (the rows to compute are not known yet) the largest chunk.
-    A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows."""
+    FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
+    set (that buffer, its gathered hidden rows and their fp32 grad_hidden block) within a
+    quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows); the forward
+    alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
+    ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
+    last chunk runs at a loss; without it (the rows to compute are not known yet) the
+    largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
-        by_budget = max(128, budget // (vocab_size * element_size) // 128 * 128)
-        most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget)
+        logit_row = vocab_size * element_size
+        by_budget = max(128, budget // logit_row // 128 * 128)
+        by_share = max(128, 2048 * shards * logit_row // (logit_row + hidden_size * (element_size + 4)) // 128 * 128)
+        most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
     if n_rows <= most:
@@ -233,6 +238,8 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         BLOCK_V=block_v,
         HAS_CLASS_WEIGHT=class_weight is not None,
         ACC_DTYPE=_acc_dtype(hidden.dtype),
+        HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
+        EVEN_V=vocab_size % block_v == 0,
         **fixed,
     )
 
