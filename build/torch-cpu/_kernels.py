@@ -246,7 +246,8 @@ def _logit_tile_kernel(
     holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
-    exponentials taken relative to that reference (see ``_exp_reference``). Tile ids put row
+    exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
+    target logit to the caller (the reference is that logit). Tile ids put row
     blocks fastest, so the programs running together share one weight tile in L2 while
     the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
@@ -314,16 +315,16 @@ def _logit_tile_kernel(
                     summed = logits * class_weight[None, :]
                 logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
-            has_target = (targets >= pid_v * BLOCK_V) & (targets < tl.minimum(pid_v * BLOCK_V + BLOCK_V, vocab_size))
-            if tl.max(has_target.to(tl.int32), axis=0) > 0:  # most tiles hold no row's target: skip the pick
+            if MODE == MODE_STATS_AND_EXP:
+                # The target's logit is the row reference itself (``row_reference``): no pick here.
+                loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+                tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+            else:
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+                tile_start = pid_v * BLOCK_V
+                has_target = (targets >= tile_start) & (targets < tl.minimum(tile_start + BLOCK_V, vocab_size))
                 tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
-            if MODE == MODE_STATS_AND_EXP:
-                tile_out = exp_shifted
-                loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-                if tl.max((loss_grad == 0.0).to(tl.int32), axis=0) > 0:  # rows without gradient store 0
-                    tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
 
         if MODE != MODE_STATS:
             if TMA_STORE:  # through shared memory by the copy engine, clipped at the edges

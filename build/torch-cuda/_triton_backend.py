@@ -265,7 +265,11 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         tile_array(True), tile_array(True), tile_array(opts.return_metrics),
         tile_array(opts.return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
-    target_logit = torch.full((n_rows,), float("nan"), **f32)
+    if row_ref is None:  # written by the tile that holds each row's target
+        target_logit = torch.full((n_rows,), float("nan"), **f32)
+    else:  # the reference is the target's logit, NaN where the target is not one of these columns
+        local = (targets >= 0) & (targets < vocab_size)
+        target_logit = torch.where(local, row_ref, torch.full((), float("nan"), **f32))
     if shifted_out is None:
         mode = K.MODE_STATS
     else:
