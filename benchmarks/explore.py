@@ -97,15 +97,16 @@ def time_logit_kernel(flce, hidden, weight, targets, config):
     """TFLOP/s of the logit kernel alone on one chunk, statistics only and with the buffer."""
     backend = sys.modules[flce.__name__ + "._triton_backend"]
     options = sys.modules[flce.__name__ + "._options"].LossOptions()
-    rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True)
+    rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True, hidden_size=hidden.shape[1])
     h, t = hidden[:rows], targets[:rows]
     buffer = backend.new_buffer(rows, weight.shape[0], hidden.dtype, hidden.device)
-    row_ref = backend.row_reference(h, weight, t.clamp(min=0), options)
+    row_ref, target_logit = backend.row_reference(h, weight, t.clamp(min=0), options)
     loss_grad = torch.ones(rows, device=h.device)
     os.environ["FLCE_CONFIG"] = config
     out = {}
     variants = {"stats": dict(shifted_out=None), "stats_and_buffer": dict(shifted_out=buffer),
-                "stats_and_exp": dict(shifted_out=buffer, row_ref=row_ref, loss_grad=loss_grad)}
+                "stats_and_exp": dict(shifted_out=buffer, row_ref=row_ref, loss_grad=loss_grad,
+                                          target_logit=target_logit)}
     try:
         for name, kwargs in variants.items():
             ms = do_bench(lambda kwargs=kwargs: backend.row_stats(h, weight, None, t, options, **kwargs),

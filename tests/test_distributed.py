@@ -3,7 +3,6 @@ scripts/gpu-distributed): every rank holds a slice of weight's rows, and must ge
 the loss, metrics and grad_hidden of the unsharded computation, and its slice's gradients."""
 
 import os
-import socket
 import sys
 import traceback
 
@@ -26,12 +25,6 @@ CASES = [
     dict(reduction="sum", class_weight=True, label_smoothing=0.2, bias=True, return_metrics=True),
     dict(reduction="mean", dtype="float64", bias=True, label_smoothing=0.1, return_metrics=True),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(hidden, weight, bias, targets, case, class_weight=None):
@@ -57,10 +50,11 @@ def _reference(hidden, weight, bias, targets, case, class_weight=None):
     return loss, metrics, lse, (h, w, b)
 
 
-def _worker(rank, world, port, error_file):
+def _worker(rank, world, store, error_file):
     try:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # A file store: no TCP port to pick beforehand (which another process could take).
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         from kernels import get_kernel
 
         flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
@@ -288,7 +282,7 @@ def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, dev
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_unsharded(world, tmp_path):
     error_file = tmp_path / "errors.txt"
-    mp.spawn(_worker, args=(world, _free_port(), str(error_file)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(error_file)), nprocs=world, join=True)
     assert not error_file.exists(), error_file.read_text()
 
 

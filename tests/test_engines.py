@@ -5,7 +5,6 @@ scripts/gpu-distributed runs the same checks over NCCL)."""
 
 import datetime
 import os
-import socket
 import traceback
 
 import pytest
@@ -18,16 +17,11 @@ pytest.importorskip("transformers")
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, store: str, out_dir: str) -> None:
     # The engines wrap the model, not the loss's backend: the PyTorch path of CPU tensors.
     os.environ["TRITON_INTERPRET"] = "0"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    # A file store: no TCP port to pick beforehand (which another process could take).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
         from _engines import ENGINES, check_engine
@@ -50,7 +44,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def outcomes(tmp_path_factory):
     """Each engine's outcome on each rank ("ok" or the traceback): one spawn for all of them."""
     out_dir = tmp_path_factory.mktemp("engines")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    store = tmp_path_factory.mktemp("store") / "store"
+    mp.spawn(_worker, args=(str(store), str(out_dir)), nprocs=WORLD, join=True)
     return {path.name: path.read_text() for path in out_dir.iterdir()}
 
 

@@ -429,10 +429,12 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
         slice_targets_c = slice_targets[start:end]
         stored = buffer[: end - start] if training else None
-        row_ref = backend.row_reference(hidden_c, weight, slice_targets_c, opts) if factored else None
+        # The factored gradient's reference: each row's target logit (also the loss's).
+        row_ref, target_logit = (backend.row_reference(hidden_c, weight, slice_targets_c, opts) if factored
+                                 else (None, None))
         stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, stored,
                                          row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None,
-                                         class_weight=local_class_weight)
+                                         class_weight=local_class_weight, target_logit=target_logit)
         if merge_once:
             chunk_stats.append(stats)
             continue

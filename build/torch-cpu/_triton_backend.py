@@ -245,10 +245,11 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None):
+              class_weight=None, target_logit=None):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
-    exponentials that ``row_factors`` turns into a factored gradient. Returns the stats and
+    exponentials that ``row_factors`` turns into a factored gradient; the sweep leaves the
+    target's logit to ``target_logit`` [rows] then (``row_reference``'s). Returns the stats and
     the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
     with label smoothing only) weights the logit sum."""
     n_rows = hidden.shape[0]
@@ -265,11 +266,8 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         tile_array(True), tile_array(True), tile_array(opts.return_metrics),
         tile_array(opts.return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
-    if row_ref is None:  # written by the tile that holds each row's target
+    if target_logit is None:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), **f32)
-    else:  # the reference is the target's logit, NaN where the target is not one of these columns
-        local = (targets >= 0) & (targets < vocab_size)
-        target_logit = torch.where(local, row_ref, torch.full((), float("nan"), **f32))
     if shifted_out is None:
         mode = K.MODE_STATS
     else:
@@ -383,20 +381,22 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, ordered_targets, count, loss_grad
 
 
-def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions) -> torch.Tensor:
-    """B [rows] fp32: each row's logit at its target (column 0 where the target is ignored or
-    in another rank's slice), the reference that ``row_stats`` stores exponentials against.
-    A lower bound of the row's max; a row whose max passes it by more than the gap (a target
-    of probability below e^-40) is moved to its max by ``row_factors``."""
+def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions):
+    """(B, target_logit), both [rows] fp32: B is each row's logit at its target (column 0 where
+    the target is ignored or in another rank's slice), the reference that ``row_stats`` stores
+    exponentials against, and target_logit the same logit, NaN where the target is not one of
+    these columns. B is a lower bound of the row's max; a row whose max passes it by more than
+    the gap (a target of probability below e^-40) is moved to its max by ``row_factors``."""
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
+    target_logit = torch.empty_like(out)
     block_r = 16
     K._picked_logit_kernel[(triton.cdiv(n_rows, block_r),)](
-        hidden, weight, targets, out, n_rows, weight.shape[0], hidden_size,
+        hidden, weight, targets, out, target_logit, n_rows, weight.shape[0], hidden_size,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opts.logit_scale),
         BLOCK_R=block_r, BLOCK_H=32 if interpreting() else 128,
     )
-    return out
+    return out, target_logit
 
 
 def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None):

@@ -651,6 +651,7 @@ def _picked_logit_kernel(
     weight_ptr,  # [V, H]
     targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
     out_ptr,  # [n_rows] fp32 out: s * hidden_i . weight_c
+    target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
     n_rows,
     vocab_size,
     hidden_size,
@@ -664,7 +665,8 @@ def _picked_logit_kernel(
 ):
     """One logit per row, at its target column (column 0 where the target is not a column of
     this weight): the reference B of the factored gradient, a lower bound of the row's max that
-    is close to it wherever the target is not extremely unlikely. Bias-free, unsoftcapped."""
+    is close to it wherever the target is not extremely unlikely, and the target's logit of the
+    loss (NaN where the target is not a column of this weight). Bias-free, unsoftcapped."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
@@ -678,7 +680,10 @@ def _picked_logit_kernel(
         h = tl.load(h_ptrs, mask=mask, other=0.0)
         w = tl.load(w_ptrs, mask=mask, other=0.0)
         acc += h.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + offs_r, logit_scale * tl.sum(acc, axis=1), mask=row_mask)
+    picked = logit_scale * tl.sum(acc, axis=1)
+    tl.store(out_ptr + offs_r, picked, mask=row_mask)
+    local = (targets >= 0) & (targets < vocab_size)
+    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

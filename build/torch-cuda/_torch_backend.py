@@ -75,11 +75,11 @@ def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None):
+              class_weight=None, target_logit=None):
     """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
     buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
     (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
-    the logit sum. (``row_ref`` and ``loss_grad`` belong to the factored gradient, which this
+    the logit sum. (``row_ref``, ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this
     backend never takes.)"""
     logits = _logits(hidden, weight, bias, opts, out=shifted_out)
     vocab_size = logits.shape[1]
