@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from conftest import DEVICE
+from reference import reference
 
 # The interpreter is slow; the sharding logic sits above the backend, so most cases use
 # the PyTorch path for CPU tensors (TRITON_INTERPRET=0 at call time) and one the kernels.
@@ -27,27 +27,14 @@ CASES = [
 ]
 
 
-def _reference(hidden, weight, bias, targets, case, class_weight=None):
-    """float64 loss, metrics, lse and gradients on the full weight."""
-    h = hidden.double().requires_grad_()
-    w = weight.double().requires_grad_()
-    b = bias.double().requires_grad_() if bias is not None else None
-    z = h @ w.T + (b if b is not None else 0)
-    z = z * case.get("logit_scale", 1.0)
-    if case.get("softcap"):
-        z = case["softcap"] * torch.tanh(z / case["softcap"])
-    valid = targets != -100
-    cw = None if class_weight is None else class_weight.double()
-    row_weight = valid.double() if cw is None else torch.where(valid, cw[targets.clamp(0)], 0.0)
-    per_row = F.cross_entropy(z, targets, weight=cw, reduction="none", label_smoothing=case.get("label_smoothing", 0.0))
-    lse = z.logsumexp(-1)
-    per_row = per_row + case.get("z_loss_scale", 0.0) * lse**2 * row_weight
-    loss = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / row_weight.sum()}[case["reduction"]]
-    p = z.softmax(-1)
-    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
-    metrics = {"num_correct_tokens": ((z.argmax(-1) == targets) & valid).sum(),
-               "entropy_sum": entropy[valid].sum(), "predictions": torch.where(valid, z.argmax(-1), -1)}
-    return loss, metrics, lse, (h, w, b)
+def _expected(hidden, weight, bias, targets, case, grad_out, class_weight=None):
+    """The float64 reference (``tests/reference.py``) of one case on the full weight, with the
+    gradients of sum(loss * grad_out) + 0.3 sum(lse) (the lse term where the case returns it)."""
+    options = {k: v for k, v in case.items() if k not in ("return_metrics", "return_lse")}
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    lse_grad = torch.full(targets.shape, 0.3) if case.get("return_lse") else None
+    return reference(*leaves[:2], targets, leaves[2], class_weight=class_weight, grad_output=grad_out,
+                     lse_grad=lse_grad, **options)
 
 
 def _worker(rank, world, store, error_file):
@@ -169,18 +156,16 @@ def _check_dtensor(flce, rank, world, device="cpu"):
         if replicated_hidden:
             assert h.grad.placements == (Replicate(),)
 
-        ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case)
-        ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
-        ref_total.backward()
-        torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **tol)
-        assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
-        torch.testing.assert_close(metrics["entropy_sum"].double().cpu(), ref_metrics["entropy_sum"].detach(), **tol)
+        ref = _expected(hidden, weight, bias, targets, case, grad_out)
+        torch.testing.assert_close(loss.double().cpu(), ref.loss, **tol)
+        assert int(metrics["num_correct_tokens"]) == ref.num_correct
+        torch.testing.assert_close(metrics["entropy_sum"].double().cpu(), ref.entropy_sum, **tol)
         if lse is not None:
-            torch.testing.assert_close(lse.double().cpu(), ref_lse.detach(), **tol)
+            torch.testing.assert_close(lse.double().cpu(), ref.lse, **tol)
         grad_hidden = h.grad.full_tensor() if replicated_hidden else h.grad
-        torch.testing.assert_close(grad_hidden.double().cpu(), rh.grad, **tol)
-        torch.testing.assert_close(w.grad.full_tensor().double().cpu(), rw.grad, **tol)
-        torch.testing.assert_close(b.grad.full_tensor().double().cpu(), rb.grad, **tol)
+        torch.testing.assert_close(grad_hidden.double().cpu(), ref.grad_hidden, **tol)
+        torch.testing.assert_close(w.grad.full_tensor().double().cpu(), ref.grad_weight, **tol)
+        torch.testing.assert_close(b.grad.full_tensor().double().cpu(), ref.grad_bias, **tol)
 
     w = distribute_tensor(weight.to(device), mesh, [Shard(0)])
     h, t = hidden.to(device), targets.to(device)
@@ -202,7 +187,8 @@ def _check_dtensor(flce, rank, world, device="cpu"):
 
 
 def _check_case(flce, rank, world, case, device="cpu"):
-    """One case on this rank, against the float64 reference on the full weight (on the CPU)."""
+    """One case on this rank, with the inputs on ``device`` (gloo on the CPU; NCCL on a GPU, from
+    scripts/distributed_check.py), against the float64 reference on the full weight."""
     torch.manual_seed(0)  # the same inputs on every rank
     n, hidden_size, vocab = 23, 24, 67  # 67 does not split evenly over 2 or 3 ranks
     dtype = getattr(torch, case.pop("dtype", "float32"))  # a name: scripts/distributed_check.py writes cases to JSON
@@ -214,68 +200,41 @@ def _check_case(flce, rank, world, case, device="cpu"):
     class_weight = torch.rand(vocab) + 0.5 if case.pop("class_weight", False) else None
     # ties across the shard boundary: two rows of weight equal, in different slices
     weight[vocab // world + 1] = weight[1]
-    if device != "cpu":
-        return _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device, class_weight)
 
     sizes = [len(part) for part in torch.arange(vocab).tensor_split(world)]
     start = sum(sizes[:rank])
-    w_local = weight[start:start + sizes[rank]].clone().requires_grad_()
-    b_local = bias[start:start + sizes[rank]].clone().requires_grad_() if bias is not None else None
-    h = hidden.clone().requires_grad_()
-    out = flce.fused_linear_cross_entropy(h, w_local, targets, b_local, process_group=dist.group.WORLD,
-                                          class_weight=class_weight, **case)
-    loss, metrics, lse = out if case.get("return_lse") else (*out, None)
-    grad_out = torch.linspace(0.5, 1.5, n) if case["reduction"] == "none" else torch.tensor(0.7)
-    total = (loss * grad_out).sum() + (lse.sum() * 0.3 if lse is not None else 0)
-    total.backward()
-
-    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case, class_weight)
-    ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
-    ref_total.backward()
-    # fp32 arithmetic against float64: relative errors of a few ulps of the sums involved
-    tol = dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol)
-    assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
-    assert torch.equal(metrics["predictions"], ref_metrics["predictions"])  # global indices, ties across slices
-    torch.testing.assert_close(metrics["entropy_sum"].double(), ref_metrics["entropy_sum"].detach(), **tol)
-    if lse is not None:
-        torch.testing.assert_close(lse.double(), ref_lse.detach(), **tol)
-    torch.testing.assert_close(h.grad.double(), rh.grad, **tol)
-    torch.testing.assert_close(w_local.grad.double(), rw.grad[start:start + sizes[rank]], **tol)
-    if bias is not None:
-        torch.testing.assert_close(b_local.grad.double(), rb.grad[start:start + sizes[rank]], **tol)
-    # every rank holds bitwise the same loss and metrics
-    gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
-    mine = torch.stack([loss.detach().double().sum(), metrics["num_correct_tokens"].double(),
-                        metrics["entropy_sum"].double()])
-    dist.all_gather(gathered, mine)
-    assert all(torch.equal(g, gathered[0]) for g in gathered)
-
-
-def _check_on_device(flce, rank, world, case, hidden, weight, bias, targets, device, class_weight=None):
-    """The same check with the inputs on ``device`` (NCCL): fp32 there follows torch's float32
-    matmul precision, so the tolerance is that of 3xTF32 products, not of IEEE fp32."""
-    sizes = [len(part) for part in torch.arange(weight.shape[0]).tensor_split(world)]
-    start = sum(sizes[:rank])
-    w_local = weight[start:start + sizes[rank]].to(device).requires_grad_()
-    b_local = bias[start:start + sizes[rank]].to(device).requires_grad_() if bias is not None else None
-    h = hidden.to(device).requires_grad_()
+    local = slice(start, start + sizes[rank])
+    w_local = weight[local].clone().to(device).requires_grad_()
+    b_local = bias[local].clone().to(device).requires_grad_() if bias is not None else None
+    h = hidden.clone().to(device).requires_grad_()
     out = flce.fused_linear_cross_entropy(h, w_local, targets.to(device), b_local, process_group=dist.group.WORLD,
                                           class_weight=None if class_weight is None else class_weight.to(device),
                                           **case)
     loss, metrics, lse = out if case.get("return_lse") else (*out, None)
-    grad_out = torch.linspace(0.5, 1.5, len(targets)) if case["reduction"] == "none" else torch.tensor(0.7)
+    grad_out = torch.linspace(0.5, 1.5, n) if case["reduction"] == "none" else torch.tensor(0.7)
     total = (loss * grad_out.to(device)).sum() + (lse.sum() * 0.3 if lse is not None else 0)
     total.backward()
-    ref_loss, ref_metrics, ref_lse, (rh, rw, rb) = _reference(hidden, weight, bias, targets, case, class_weight)
-    ref_total = (ref_loss * grad_out.double()).sum() + (ref_lse.sum() * 0.3 if lse is not None else 0)
-    ref_total.backward()
-    tol = dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **tol)
-    assert int(metrics["num_correct_tokens"]) == int(ref_metrics["num_correct_tokens"])
-    assert torch.equal(metrics["predictions"].cpu(), ref_metrics["predictions"])
-    torch.testing.assert_close(h.grad.double().cpu(), rh.grad, **tol)
-    torch.testing.assert_close(w_local.grad.double().cpu(), rw.grad[start:start + sizes[rank]], **tol)
+
+    ref = _expected(hidden, weight, bias, targets, case, grad_out, class_weight)
+    # fp32 arithmetic against float64: a few ulps of the sums involved; on a GPU, fp32 follows
+    # torch's float32 matmul precision (3xTF32 products)
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.double().cpu(), ref.loss, **tol)
+    assert int(metrics["num_correct_tokens"]) == ref.num_correct
+    assert torch.equal(metrics["predictions"].cpu(), ref.predictions)  # global indices, ties across slices
+    torch.testing.assert_close(metrics["entropy_sum"].double().cpu(), ref.entropy_sum, **tol)
+    if lse is not None:
+        torch.testing.assert_close(lse.double().cpu(), ref.lse, **tol)
+    torch.testing.assert_close(h.grad.double().cpu(), ref.grad_hidden, **tol)
+    torch.testing.assert_close(w_local.grad.double().cpu(), ref.grad_weight[local], **tol)
+    if bias is not None:
+        torch.testing.assert_close(b_local.grad.double().cpu(), ref.grad_bias[local], **tol)
+    # every rank holds bitwise the same loss and metrics
+    gathered = [torch.zeros(3, dtype=torch.float64, device=device) for _ in range(world)]
+    mine = torch.stack([loss.detach().double().sum(), metrics["num_correct_tokens"].double(),
+                        metrics["entropy_sum"].double()])
+    dist.all_gather(gathered, mine)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors; GPUs run scripts/gpu-distributed")

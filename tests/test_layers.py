@@ -96,21 +96,3 @@ def test_layer_from_logits_is_transformers_loss(flce):
         assert torch.equal(layer(logits=logits, labels=labels, vocab_size=30, num_items_in_batch=num_items), expected)
 
 
-def test_transformers_never_calls_a_loss_layer():
-    """What transformers 5.23 does (documented in docs/integrations.md): models call
-    ``self.loss_function(logits=..., labels=..., vocab_size=...)``, a plain function of the
-    logits, and no module of a causal LM carries the layer name "ForCausalLMLoss" (its default
-    kernel mapping names one, Liger's, for nothing). And it only enables its kernels integration
-    for kernels >= 0.18.2: with the kernels this project pins, ``use_kernels=True`` is refused."""
-    from packaging.version import Version
-    from transformers.utils.import_utils import KERNELS_MIN_VERSION, is_kernels_available
-
-    model = tiny_causal_lm("llama")
-    layer_names = {getattr(type(m), "kernel_layer_name", None) for m in model.modules()}
-    assert "ForCausalLMLoss" not in layer_names
-    assert not isinstance(model.loss_function, nn.Module)
-    assert "hidden_states" not in inspect.signature(model.loss_function).parameters
-    if Version(kernels.__version__) < Version(KERNELS_MIN_VERSION):
-        assert not is_kernels_available()
-        with pytest.raises(ValueError, match="Kernels are not available"):
-            model.set_use_kernels(True)

@@ -84,8 +84,6 @@ CASES = {
     "chunks_none": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), bias=True, reduction="none"),
     "chunks_of_1_sum": dict(n=5, env=dict(FLCE_CHUNK_ROWS=1), bias=True, reduction="sum", label_smoothing=0.1),
     "block_v_16": dict(env=dict(FLCE_BLOCK_V=16), bias=True),
-    # Interpreter tiles (ignored on a GPU, where the autotuner picks them).
-    "block_n_32_k_32": dict(env=dict(FLCE_BLOCK_N=32, FLCE_BLOCK_K=32), n=40, bias=True),
     # H a multiple of 128: the pointer path's unmasked K loop (EVEN_K).
     "h_128_even_k": dict(n=9, h=128, v=40, env=dict(FLCE_TMA=0), bias=True),
     "b_t_h_hidden": dict(lead=(3, 7), ignore=0.2),

@@ -15,7 +15,8 @@ import torch
 from accelerate.utils import is_peft_model
 from trl import SFTTrainer
 
-from .causal_lm import patch_forward, token_metrics
+from .causal_lm import token_metrics
+from .patching import patch_forward
 
 __all__ = ["FusedSFTTrainer"]
 

@@ -9,7 +9,7 @@ many parameters, of the same kinds, as the forward it replaces. ``kernelize`` bi
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal_lm import causal_lm_loss
+from .causal_lm import causal_lm_loss, shift_labels_for_causal_lm
 
 # Keyword arguments of a loss call that the fused path understands; the others (the model's
 # own kwargs, which transformers forwards to its loss) are ignored, as ForCausalLMLoss does.
@@ -66,7 +66,7 @@ def _logits_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignor
     # transformers 5.x's ForCausalLMLoss, for a caller that only has the logits.
     logits = logits.float()
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels_for_causal_lm(labels, ignore_index)
     vocab_size = logits.shape[-1] if vocab_size is None else vocab_size
     targets = shift_labels.reshape(-1).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"

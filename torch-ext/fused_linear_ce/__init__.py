@@ -9,16 +9,10 @@ the package itself imports neither TRL nor transformers.
 
 import importlib
 
-from . import causal_lm, layers
-from .causal_lm import (
-    causal_lm_loss,
-    fused_forward,
-    logit_options,
-    patch_forward,
-    token_metrics,
-    unpatch_forward,
-)
+from . import causal_lm, layers, patching
+from .causal_lm import causal_lm_loss, token_metrics
 from .interface import fused_linear_cross_entropy
+from .patching import fused_forward, logit_options, patch_forward, unpatch_forward
 
 __all__ = [
     # the loss
@@ -30,6 +24,7 @@ __all__ = [
     "layers",
     "logit_options",
     "patch_forward",
+    "patching",
     "token_metrics",
     "unpatch_forward",
 ]
