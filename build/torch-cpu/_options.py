@@ -1,22 +1,29 @@
 """Plain data shared by the layers: the loss options and the per-row statistics."""
 
 import os
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, fields
 
 import torch
 
 
 @dataclass(frozen=True)
 class LossOptions:
-    """Everything but the tensors that defines the loss of one call."""
+    """Everything but the tensors that defines the loss of one call, checked by the API layer.
+
+    The operators take these as flat schema arguments (a dataclass is no schema type):
+    ``op_args`` / ``from_op_args`` convert, and ``op_schema`` writes their part of the schema,
+    all in the order of the fields, so that a new option is one field here."""
 
     ignore_index: int = -100
     logit_scale: float = 1.0
     softcap: float | None = None
     label_smoothing: float = 0.0
     z_loss_scale: float = 0.0
-    return_metrics: bool = False
     total_vocab_size: int | None = None  # V of the whole vocabulary when weight is a shard
+    group_name: str | None = None  # vocabulary parallelism: the process group's registered name
+    vocab_start: int = 0  # vocabulary parallelism: this rank's first row of the vocabulary
 
     def inv_vocab_size(self, local_vocab_size: int) -> float:
         """1 / V for label smoothing, V being the whole vocabulary's size."""
@@ -33,6 +40,35 @@ class LossOptions:
     @property
     def has_z_loss(self) -> bool:
         return self.z_loss_scale != 0.0
+
+    def op_args(self) -> tuple:
+        """The options as the operators' flat arguments."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    @classmethod
+    def from_op_args(cls, args) -> "LossOptions":
+        """The options back from the first ``num_op_args()`` of an operator's arguments."""
+        return cls(*args[: cls.num_op_args()])
+
+    @classmethod
+    def num_op_args(cls) -> int:
+        return len(fields(cls))
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """Their part of an operator's schema, e.g. ``"int ignore_index, float logit_scale, ..."``."""
+        return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(cls))
+
+
+_SCHEMA_TYPES = {int: "int", float: "float", str: "str", bool: "bool"}
+
+
+def _schema_type(annotation) -> str:
+    """The schema type of a field annotation: ``int`` -> "int", ``float | None`` -> "float?"."""
+    if isinstance(annotation, types.UnionType):
+        (inner,) = (a for a in typing.get_args(annotation) if a is not type(None))
+        return _SCHEMA_TYPES[inner] + "?"
+    return _SCHEMA_TYPES[annotation]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

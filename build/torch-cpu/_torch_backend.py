@@ -75,16 +75,17 @@ def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
     buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
     (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
-    the logit sum. (``row_ref``, ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this
-    backend never takes.)"""
+    the logit sum; ``return_metrics`` adds each row's entropy term and argmax. (``row_ref``,
+    ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this backend never
+    takes.)"""
     logits = _logits(hidden, weight, bias, opts, out=shifted_out)
     vocab_size = logits.shape[1]
     argmax = None
-    if opts.return_metrics:
+    if return_metrics:
         row_max, argmax = logits.max(dim=1)  # the first index of the max, as argmax
     else:
         row_max = logits.amax(dim=1)
@@ -97,7 +98,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     # The gradient needs the softcap's derivative at z, which the exponentials overwrite.
     softcap_grad = _softcap_grad(logits, opts) if shifted_out is not None and opts.has_softcap else None
     logits.sub_(_safe(row_max)[:, None])
-    entropy_term = _exp_with_entropy_term_(logits) if opts.return_metrics else None
+    entropy_term = _exp_with_entropy_term_(logits) if return_metrics else None
     if entropy_term is None:
         logits.exp_()
     stats = RowStats(
@@ -111,8 +112,10 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     return stats, (row_max, softcap_grad)
 
 
-def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults) -> None:
-    """Writes lse, loss, correctness and entropy of each row to ``out``."""
+def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,
+             return_metrics: bool = False) -> None:
+    """Writes lse and loss of each row to ``out``, and with ``return_metrics`` its correctness
+    and entropy."""
     valid = targets != opts.ignore_index
     log_sum_exp = stats.sum_exp.log()
     lse = stats.row_max + log_sum_exp
@@ -125,7 +128,7 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
         loss = loss + opts.z_loss_scale * lse * lse
     out.lse.copy_(lse)
     out.loss.copy_(torch.where(valid, loss, torch.zeros_like(loss)))
-    if opts.return_metrics:
+    if return_metrics:
         out.correct.copy_(valid & (stats.argmax == targets))
         entropy = log_sum_exp + stats.entropy_term / stats.sum_exp
         out.entropy.copy_(torch.where(valid, entropy, torch.zeros_like(entropy)))

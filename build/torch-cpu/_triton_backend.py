@@ -190,7 +190,8 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
-                        lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None):
+                        lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
+                        return_metrics=False):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)
@@ -230,7 +231,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
         MODE=int(mode),
         **_flags(opts, bias),
         HAS_LSE_GRAD=lse_grad is not None,
-        RETURN_METRICS=opts.return_metrics,
+        RETURN_METRICS=return_metrics,
         USE_TMA=use_tma,
         TMA_STORE=tma_store,
         EVEN_K=hidden_size % 128 == 0,
@@ -245,13 +246,14 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
     exponentials that ``row_factors`` turns into a factored gradient; the sweep leaves the
     target's logit to ``target_logit`` [rows] then (``row_reference``'s). Returns the stats and
     the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
-    with label smoothing only) weights the logit sum."""
+    with label smoothing only) weights the logit sum; with ``return_metrics`` the stats carry
+    each row's entropy term and argmax too."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
@@ -263,8 +265,8 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         return torch.empty((n_rows, num_tiles) if enabled else (1,), device=device, dtype=dtype)
 
     tile_stats = (
-        tile_array(True), tile_array(True), tile_array(opts.return_metrics),
-        tile_array(opts.return_metrics, torch.int32), tile_array(opts.has_smoothing),
+        tile_array(True), tile_array(True), tile_array(return_metrics),
+        tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
     if target_logit is None:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), **f32)
@@ -274,26 +276,26 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-                        class_weight=class_weight)
+                        class_weight=class_weight, return_metrics=return_metrics)
 
     stats = RowStats(
         row_max=torch.empty(n_rows, **f32),
         sum_exp=torch.empty(n_rows, **f32),
         target_logit=target_logit,
-        entropy_term=torch.empty(n_rows, **f32) if opts.return_metrics else None,
-        argmax=torch.empty(n_rows, device=device, dtype=torch.int64) if opts.return_metrics else None,
+        entropy_term=torch.empty(n_rows, **f32) if return_metrics else None,
+        argmax=torch.empty(n_rows, device=device, dtype=torch.int64) if return_metrics else None,
         logit_sum=torch.empty(n_rows, **f32) if opts.has_smoothing else None,
     )
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
         *tile_stats,
         stats.row_max, stats.sum_exp,
-        stats.entropy_term if opts.return_metrics else _dummy(device),
-        stats.argmax if opts.return_metrics else _dummy(device),
+        stats.entropy_term if return_metrics else _dummy(device),
+        stats.argmax if return_metrics else _dummy(device),
         stats.logit_sum if opts.has_smoothing else _dummy(device),
         row_ref if row_ref is not None else _dummy(device),
         n_rows, num_tiles,
-        RETURN_METRICS=opts.return_metrics,
+        RETURN_METRICS=return_metrics,
         HAS_SMOOTHING=opts.has_smoothing,
         ROW_REFERENCE=row_ref is not None,
         BLOCK_R=block_r,
@@ -303,23 +305,25 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     return stats, tile_stats[0]
 
 
-def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults) -> None:
-    """Writes lse, loss, correctness and entropy of each row to ``out`` from its merged statistics."""
+def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,
+             return_metrics: bool = False) -> None:
+    """Writes lse and loss of each row to ``out`` from its merged statistics, and with
+    ``return_metrics`` its correctness and entropy."""
     n_rows = targets.shape[0]
     dummy = _dummy(targets.device)
     block_r = 128
     K._finalize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         stats.row_max, stats.sum_exp,
-        stats.entropy_term if opts.return_metrics else dummy,
-        stats.argmax if opts.return_metrics else dummy,
+        stats.entropy_term if return_metrics else dummy,
+        stats.argmax if return_metrics else dummy,
         stats.logit_sum if opts.has_smoothing else dummy,
         stats.target_logit, targets,
         out.lse, out.loss,
-        out.correct if opts.return_metrics else dummy,
-        out.entropy if opts.return_metrics else dummy,
+        out.correct if return_metrics else dummy,
+        out.entropy if return_metrics else dummy,
         n_rows, opts.ignore_index, opts.inv_vocab_size(vocab_size), float(opts.label_smoothing),
         float(opts.z_loss_scale),
-        RETURN_METRICS=opts.return_metrics,
+        RETURN_METRICS=return_metrics,
         HAS_SMOOTHING=opts.has_smoothing,
         HAS_Z_LOSS=opts.has_z_loss,
         BLOCK_R=block_r,

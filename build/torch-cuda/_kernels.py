@@ -57,6 +57,10 @@ MODE_STATS_AND_SHIFTED = tl.constexpr(1)  # tile statistics, and z - tile_max st
 MODE_GRAD_LOGITS = tl.constexpr(2)  # lse is known: store grad logits G directly
 MODE_STATS_AND_EXP = tl.constexpr(3)  # tile statistics, and exp(z - row reference) stored to a bounded buffer
 
+# Larger than any column index: the neutral element of the first-index argmax (a min over the
+# indices where the max is reached), and the value of a tile or row without one.
+NO_INDEX = tl.constexpr(2147483647)
+
 # How far above the row's reference B_i a tile's max may go before the tile takes its own max as
 # reference: e^40 ~ 2e17 keeps every stored exponential, and products of them with the weights,
 # far inside bf16's and fp32's range.
@@ -253,6 +257,13 @@ def _logit_tile_kernel(
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
     of the next tile overlap the epilogue of the current one.
     """
+    # Combinations the launch layer never makes, refused at compile time.
+    tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
+    tl.static_assert(MODE != MODE_STATS or not TMA_STORE, "mode 0 stores no buffer")
+    tl.static_assert(MODE == MODE_GRAD_LOGITS or not HAS_LSE_GRAD, "an lse gradient only in the recompute mode")
+    tl.static_assert(HAS_SMOOTHING or not HAS_CLASS_WEIGHT, "class weights enter the kernel with smoothing only")
+    tl.static_assert(MODE != MODE_STATS_AND_EXP or not (HAS_BIAS or HAS_SOFTCAP or HAS_SMOOTHING or HAS_Z_LOSS),
+                     "the factored gradient has one factor per row: no bias, softcap, smoothing or z-loss")
     num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
     num_tiles = tl.cdiv(vocab_size, BLOCK_V)
     for tile_id in tl.range(tl.program_id(0), num_row_blocks * num_tiles, tl.num_programs(0), flatten=PERSISTENT):
@@ -261,8 +272,9 @@ def _logit_tile_kernel(
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
-            HAS_BIAS, HAS_SOFTCAP, USE_TMA, EVEN_K, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
-            HAS_LOGIT_SCALE=HAS_LOGIT_SCALE, EVEN_V=EVEN_V,
+            HAS_BIAS=HAS_BIAS, HAS_SOFTCAP=HAS_SOFTCAP, USE_TMA=USE_TMA, EVEN_K=EVEN_K,
+            INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
+            ACC_DTYPE=ACC_DTYPE, HAS_LOGIT_SCALE=HAS_LOGIT_SCALE, EVEN_V=EVEN_V,
         )  # [BLOCK_N, BLOCK_V]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -287,7 +299,8 @@ def _logit_tile_kernel(
             tile_out = _grad_logits(
                 probs, logits, is_target, lse, loss_grad, lse_grad, class_weight, smooth_grad, inv_vocab_size,
                 logit_scale, softcap, label_smoothing, z_loss_scale,
-                HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, HAS_LSE_GRAD, HAS_CLASS_WEIGHT,
+                HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
+                HAS_LSE_GRAD=HAS_LSE_GRAD, HAS_CLASS_WEIGHT=HAS_CLASS_WEIGHT,
             )
         else:
             # ---- tile statistics ----------------------------------------------------------
@@ -306,7 +319,7 @@ def _logit_tile_kernel(
                 entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
                 tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
                 is_max = logits == tile_max[:, None]
-                argmax = tl.min(tl.where(is_max, offs_v[None, :], 2147483647), axis=1)
+                argmax = tl.min(tl.where(is_max, offs_v[None, :], NO_INDEX), axis=1)
                 tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
             if HAS_SMOOTHING:
                 summed = logits
@@ -383,7 +396,7 @@ def _combine_tiles_kernel(
     sum_exp = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
     entropy_term = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
     logit_sum = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
-    argmax = tl.full((BLOCK_R, BLOCK_T), 2147483647, tl.int32)
+    argmax = tl.full((BLOCK_R, BLOCK_T), NO_INDEX, tl.int32)
     for t in range(0, num_tiles, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
@@ -398,9 +411,9 @@ def _combine_tiles_kernel(
             tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
             gap = tl.where(live, safe_max[:, None] - reference, 0.0)
             entropy_term += weight * (tile_entropy + tile_sum * gap)
-            tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=2147483647)
+            tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=NO_INDEX)
             at_max = mask & (tile_max == row_max[:, None])
-            argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, 2147483647))
+            argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, NO_INDEX))
         if HAS_SMOOTHING:
             logit_sum += tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0)
 
@@ -530,7 +543,8 @@ def _grad_from_shifted_kernel(
         grad = _grad_logits(
             probs, logits, is_target, lse, loss_grad, loss_grad, loss_grad, loss_grad, inv_vocab_size,
             logit_scale, softcap, label_smoothing, z_loss_scale,
-            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, False, False,
+            HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
+            HAS_LSE_GRAD=False, HAS_CLASS_WEIGHT=False,
         )
         grad = tl.where(mask, grad, 0.0)
         tl.store(ptrs, grad.to(buffer_ptr.dtype.element_ty), mask=mask)

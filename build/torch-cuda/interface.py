@@ -12,7 +12,7 @@ from torch import Tensor
 from ._distributed import vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
-from ._options import accumulation_dtype
+from ._options import LossOptions, accumulation_dtype
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -333,8 +333,12 @@ def fused_linear_cross_entropy(
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
     if bias is not None:
         bias = bias.contiguous()
-    options = (int(ignore_index), float(logit_scale), None if softcap is None else float(softcap),
-               float(label_smoothing), float(z_loss_scale), total_vocab_size, group_name, int(vocab_start or 0))
+    options = LossOptions(
+        ignore_index=int(ignore_index), logit_scale=float(logit_scale),
+        softcap=None if softcap is None else float(softcap), label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale), total_vocab_size=total_vocab_size, group_name=group_name,
+        vocab_start=int(vocab_start or 0),
+    )
     if functorch:
         loss, lse, num_correct, entropy_sum, prediction, correct, entropy = FunctorchLoss.apply(
             hidden_2d, weight, targets_1d, bias, class_weight, options, reduction, bool(return_metrics))
@@ -348,7 +352,7 @@ def fused_linear_cross_entropy(
         in_forward = (any(needs) and reduction != "none" and not return_lse and hidden.dtype != torch.float64
                       and not (class_weight is not None and label_smoothing != 0))
         loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = forward_op(
-            hidden_2d, weight, targets_1d, bias, class_weight, *options, reduction, bool(return_metrics),
+            hidden_2d, weight, targets_1d, bias, class_weight, *options.op_args(), reduction, bool(return_metrics),
             *(in_forward and n for n in needs),
             bool(return_lse),
         )

@@ -364,11 +364,13 @@ def _local_class_weight(class_weight, opts: LossOptions, vocab_size: int, shard:
 
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
-            class_weight: torch.Tensor | None = None, all_rows: bool = False) -> ForwardResult:
+            class_weight: torch.Tensor | None = None, all_rows: bool = False,
+            return_metrics: bool = False) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
     With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
-    [V of the whole vocabulary] (fp32, fp64 for fp64 inputs) weights the classes. Rows with an
+    [V of the whole vocabulary] (fp32, fp64 for fp64 inputs) weights the classes; with
+    ``return_metrics`` also per-row argmax, correctness and entropy. Rows with an
     ignored target are skipped (lse 0, prediction -1) unless ``all_rows``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -386,9 +388,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     results = RowResults(
         lse=torch.zeros(n_rows, **f32),
         loss=torch.zeros(n_rows, **f32),
-        correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if opts.return_metrics else None,
-        entropy=torch.zeros(n_rows, **f32) if opts.return_metrics else None,
-        prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if opts.return_metrics else None,
+        correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if return_metrics else None,
+        entropy=torch.zeros(n_rows, **f32) if return_metrics else None,
+        prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if return_metrics else None,
     )
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
@@ -416,8 +418,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     def finish(stats, start, end):  # the per-row results of rows [start, end)
         out = RowResults(*(None if t is None else t[start:end] for t in (
             results.lse, results.loss, results.correct, results.entropy, results.prediction)))
-        backend.finalize(stats, targets[start:end], opts, vocab_size, out)
-        if opts.return_metrics:
+        backend.finalize(stats, targets[start:end], opts, vocab_size, out, return_metrics=return_metrics)
+        if return_metrics:
             out.prediction.copy_(torch.where(targets[start:end] != opts.ignore_index, stats.argmax, -1))
         if row_weight is not None:
             weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
@@ -434,7 +436,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                                  else (None, None))
         stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, stored,
                                          row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None,
-                                         class_weight=local_class_weight, target_logit=target_logit)
+                                         class_weight=local_class_weight, target_logit=target_logit,
+                                         return_metrics=return_metrics)
         if merge_once:
             chunk_stats.append(stats)
             continue
@@ -467,7 +470,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                 loss = loss / row_weight.sum()
             else:
                 loss = loss / ((targets != opts.ignore_index).sum() if row_order is None else row_order.count[0])
-    if opts.return_metrics:
+    if return_metrics:
         num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:
         num_correct = torch.zeros((), device=device, dtype=torch.int64)

@@ -20,17 +20,11 @@ from ._options import LossOptions, accumulation_dtype
 NAMESPACE = __name__.split(".")[0]
 
 
-def _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
-             return_metrics=False):
-    return LossOptions(
-        ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale, return_metrics=return_metrics, total_vocab_size=total_vocab_size,
-    )
-
-
-def _shard(group_name: str | None, vocab_start: int, total_vocab_size: int) -> Shard | None:
+def _shard(opts: LossOptions) -> Shard | None:
     # Operators take the group's registered name: a ProcessGroup is no schema type.
-    return None if group_name is None else Shard(resolve_group(group_name), vocab_start, total_vocab_size)
+    if opts.group_name is None:
+        return None
+    return Shard(resolve_group(opts.group_name), opts.vocab_start, opts.total_vocab_size)
 
 
 def _no_autocast(t: Tensor):
@@ -41,27 +35,39 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
 
-@torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=())
-def forward_op(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-    ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
-    z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
-    reduction: str, return_metrics: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-    lse_of_all_rows: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+_NUM_OPTIONS = LossOptions.num_op_args()
+_FORWARD_FLAGS = "str reduction, bool return_metrics, bool grad_hidden, bool grad_weight, bool grad_bias, " \
+                 "bool lse_of_all_rows"
+_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, "
+                   f"{LossOptions.op_schema()}, {_FORWARD_FLAGS}) -> ({', '.join(['Tensor'] * 10)})")
+_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, Tensor lse, "
+                    f"Tensor loss_grad, Tensor? lse_grad, {LossOptions.op_schema()}, "
+                    "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+
+
+def _forward_args(args: tuple):
+    """(options, reduction, return_metrics, (grad_hidden, grad_weight, grad_bias), lse_of_all_rows)
+    from forward_op's arguments after its five tensors."""
+    reduction, return_metrics, *grads, all_rows = args[_NUM_OPTIONS:]
+    return LossOptions.from_op_args(args), reduction, return_metrics, tuple(grads), all_rows
+
+
+@torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=(), schema=_FORWARD_SCHEMA)
+def forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+               *args) -> tuple[Tensor, ...]:
     """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias, prediction,
-    correct, entropy); the gradients are computed in the same sweep (for grad_output 1) where
-    asked, else empty; the last three are per row with ``return_metrics``, else empty.
-    With a ``group_name``, weight and bias are the rows [vocab_start, vocab_start + V) of a
-    vocabulary of ``total_vocab_size`` sharded over that group's ranks; ``class_weight`` [that
-    total V] (fp32, fp64 for fp64 inputs) weights the classes. Rows with an ignored target
-    are skipped (lse 0, prediction -1) unless ``lse_of_all_rows``."""
-    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
-                    return_metrics)
+    correct, entropy) of the loss that ``args`` define: the ``LossOptions`` as flat arguments
+    (``LossOptions.op_args``), then reduction, return_metrics, which gradients to compute in the
+    same sweep (for grad_output 1; else empty) and lse_of_all_rows. The last three outputs are
+    per row with ``return_metrics``, else empty. With a ``group_name``, weight and bias are the
+    rows [vocab_start, vocab_start + V) of a vocabulary of ``total_vocab_size`` sharded over that
+    group's ranks; ``class_weight`` [that total V] (fp32, fp64 for fp64 inputs) weights the
+    classes. Rows with an ignored target are skipped (lse 0, prediction -1) unless
+    ``lse_of_all_rows``."""
+    opts, reduction, return_metrics, grads, all_rows = _forward_args(args)
     with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
-        res = _chunked.forward(hidden, weight, targets, bias, opts, reduction,
-                               (grad_hidden, grad_weight, grad_bias), _shard(group_name, vocab_start, total_vocab_size),
-                               class_weight, all_rows=lse_of_all_rows)
+        res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, grads, _shard(opts), class_weight,
+                               all_rows=all_rows, return_metrics=return_metrics)
     no_row = hidden.new_empty(0, dtype=torch.int64)
     return (
         res.loss, res.lse, res.num_correct, res.entropy_sum,
@@ -71,9 +77,8 @@ def forward_op(
 
 
 @forward_op.register_fake
-def _(hidden, weight, targets, bias, class_weight, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-      total_vocab_size, group_name, vocab_start, reduction, return_metrics, grad_hidden, grad_weight, grad_bias,
-      lse_of_all_rows=False):
+def _(hidden, weight, targets, bias, class_weight, *args):
+    _, reduction, return_metrics, (grad_hidden, grad_weight, grad_bias), _ = _forward_args(args)
     n_rows = hidden.shape[0]
     acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
     per_row = (n_rows,) if return_metrics else (0,)
@@ -91,27 +96,21 @@ def _(hidden, weight, targets, bias, class_weight, ignore_index, logit_scale, so
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=())
-def backward_op(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
-    loss_grad: Tensor, lse_grad: Tensor | None,
-    ignore_index: int, logit_scale: float, softcap: float | None, label_smoothing: float,
-    z_loss_scale: float, total_vocab_size: int, group_name: str | None, vocab_start: int,
-    grad_hidden: bool, grad_weight: bool, grad_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
+def backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+                lse: Tensor, loss_grad: Tensor, lse_grad: Tensor | None, *args) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients by recomputation for a per-row ``loss_grad`` [N] (d out / d loss_i) and optional
-    ``lse_grad`` [N]."""
-    opts = _options(ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size)
+    ``lse_grad`` [N]; ``args``: the ``LossOptions`` as flat arguments, then which gradients."""
+    opts, grads = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
     with _no_autocast(hidden):
-        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts,
-                                  (grad_hidden, grad_weight, grad_bias),
-                                  _shard(group_name, vocab_start, total_vocab_size), class_weight)
+        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
+                                  _shard(opts), class_weight)
     return tuple(_or_empty(g, hidden) for g in grads)
 
 
 @backward_op.register_fake
-def _(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, ignore_index, logit_scale, softcap,
-      label_smoothing, z_loss_scale, total_vocab_size, group_name, vocab_start, grad_hidden, grad_weight, grad_bias):
+def _(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
     return (
         hidden.new_empty(hidden.shape if grad_hidden else (0,)),
         hidden.new_empty(weight.shape if grad_weight else (0,)),
@@ -152,7 +151,7 @@ _vmap_per_sample(backward_op)
 
 # ---- autograd ---------------------------------------------------------------------------
 _EAGER, _RECOMPUTE = 0, 1
-_NUM_INPUTS = 19  # forward_op's arguments
+_NUM_INPUTS = 5 + _NUM_OPTIONS + 6  # forward_op's arguments: tensors, options, flags
 
 DOUBLE_BACKWARD_ERROR = (
     "fused_linear_cross_entropy does not support double backward: its backward is not differentiable, so "
@@ -225,31 +224,29 @@ def _check_versions(watched: list) -> None:
             )
 
 
-def _recomputed_grads(saved, options: tuple, reduction: str, loss_grad, lse_grad, want) -> list:
+def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want) -> list:
     """Gradients (hidden, weight, bias) of the saved forward by recomputation."""
     hidden, weight, targets, bias, class_weight, lse = saved
-    opts = _options(*options[:6])
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
     row_weight = _chunked.row_weights(targets, class_weight, opts.ignore_index)
     row_grad = _chunked.row_loss_grad(targets, opts, reduction, loss_grad, row_weight)
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
-    grads = backward_op(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *options, *want)
+    grads = backward_op(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, targets, bias, class_weight, ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale,
-     total_vocab_size, group_name, vocab_start, reduction, _, grad_hidden, grad_weight, grad_bias, *_) = inputs
+    hidden, weight, targets, bias, class_weight, *args = inputs
+    opts, reduction, _, (grad_hidden, grad_weight, grad_bias), _ = _forward_args(args)
     loss, lse, *rest = output
     num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = rest[:5]
     ctx.mark_non_differentiable(*rest)
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
     # would cost V x H memory and a fill.
     ctx.set_materialize_grads(False)
-    ctx.options = (ignore_index, logit_scale, softcap, label_smoothing, z_loss_scale, total_vocab_size,
-                   group_name, vocab_start)
+    ctx.options = opts
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
     ctx.path = _EAGER if (grad_hidden or grad_weight or grad_bias) else _RECOMPUTE
@@ -305,8 +302,8 @@ class FunctorchLoss(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(hidden, weight, targets, bias, class_weight, options, reduction, return_metrics):
-        out = forward_op(hidden, weight, targets, bias, class_weight, *options, reduction, return_metrics,
+    def forward(hidden, weight, targets, bias, class_weight, options: LossOptions, reduction, return_metrics):
+        out = forward_op(hidden, weight, targets, bias, class_weight, *options.op_args(), reduction, return_metrics,
                          False, False, False, True)
         return out[:4] + out[7:]  # loss, lse, num_correct, entropy_sum, prediction, correct, entropy
 
