@@ -216,6 +216,25 @@ def measure(fn, hidden, weight, targets, ref, rep_ms):
     return out
 
 
+ANATOMY_METHODS = ("fused-linear-ce", "torch.compile")
+
+
+def anatomy(fn, hidden, weight, targets) -> dict:
+    """Where a training step's GPU time goes: explore.py's per-kernel breakdown of three steps
+    issued back to back (span, busy time, each kernel's ms a step)."""
+    from explore import kernel_breakdown
+
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+
+    def step():
+        h.grad = w.grad = None
+        fn(h, w, targets).backward()
+
+    step()
+    return kernel_breakdown(step)
+
+
 def environment():
     props = torch.cuda.get_device_properties(0)
     try:
@@ -256,6 +275,9 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=400)
     parser.add_argument("--errors-rows", default="gemma2,llama3,qwen25,llama2,llama2-fp32,llama2-fp16",
                         help="rows whose errors against the fp32 reference are measured")
+    parser.add_argument("--anatomy-rows", default="",
+                        help="rows whose training step is traced (torch.profiler) for this kernel and torch.compile: "
+                             "each kernel's ms, busy time against the span of three steps")
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     args = parser.parse_args()
 
@@ -290,6 +312,8 @@ def main():
                 t0 = time.time()
                 try:
                     out = measure(fn, hidden, weight, targets, ref, args.rep_ms)
+                    if row in args.anatomy_rows.split(",") and name in ANATOMY_METHODS:
+                        out["anatomy"] = anatomy(fn, hidden, weight, targets)
                 except torch.OutOfMemoryError as e:
                     out = {"error": f"out of memory: {e}"[:200]}
                 except Exception as e:  # a peer failing on a shape is a result, not a crash

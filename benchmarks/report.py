@@ -215,6 +215,37 @@ def floor_table(latest, rows, inputs="lm"):
     return "\n".join(lines)
 
 
+# Kernel names of matrix products: this kernel's logit kernel, cuBLAS's (nvjet, sm90 xmma/gemm) and
+# Triton's (torch.compile's mm templates).
+PRODUCT_KERNELS = ("_logit_tile_kernel", "nvjet", "gemm", "xmma", "cutlass", "triton_tem_fused_mm", "mm_")
+
+
+def anatomy_table(latest, rows, inputs="lm"):
+    """Per head, for each method traced (bench.py --anatomy-rows): the span of a step and its
+    busy time, the matrix products' ms and TFLOP/s over the 6·n·V·H flops of the rows they
+    compute, the other kernels' ms, and the largest kernels."""
+    lines = ["| head, N | method | span ms | busy ms (share) | matrix products ms (TFLOP/s) | other kernels ms | "
+             "largest kernels (ms a step) |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for method in methods_in(latest):
+            r = latest.get((row, inputs, method), {})
+            a = r.get("anatomy")
+            if not a:
+                continue
+            kernels = a["kernel_ms"]
+            products = sum(ms for name, ms in kernels.items() if any(k in name for k in PRODUCT_KERNELS))
+            others = a["busy_ms"] - products
+            # this kernel computes only the rows with a loss; torch.compile every row
+            rows_computed = r["n_valid"] if method == OURS else r["n_tokens"]
+            tflops = 6 * rows_computed * r["vocab_size"] * r["hidden_size"] / products / 1e9 if products else None
+            largest = ", ".join(f"`{name[:32]}` {ms:.2f}" for name, ms in list(kernels.items())[:4])
+            name = f"**{method}**" if method == OURS else method
+            lines.append(f"| {row}, {r['n_tokens']} | {name} | {a['span_ms']:.2f} | {a['busy_ms']:.2f} "
+                         f"({a['busy_ms'] / a['span_ms']:.0%}) | {products:.2f} ({fmt(tflops, '.0f')}) | "
+                         f"{others:.2f} | {largest} |")
+    return "\n".join(lines)
+
+
 def nccl_runs():
     return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("nccl-*.json"))]
 
@@ -490,6 +521,15 @@ def main():
               "A training step does 6·N·V·H useful flops (logits, grad_hidden, grad_weight); at the bf16 matmul "
               "rate measured in the same run (an 8192³ product) they take the first column's time. The share "
               "in brackets is that time over the step's.", "", floor_table(latest, MAIN_ROWS)]
+    if any("anatomy" in r for r in latest.values()):
+        parts += ["", "## Step anatomy (lm inputs)", "",
+                  "Three training steps issued back to back under `torch.profiler` (`bench.py --anatomy-rows`): "
+                  "the span from the first kernel's start to the last one's end, the time some kernel runs "
+                  "(busy), and where it goes, a step. The matrix products are the logit product and the two "
+                  "gradient products (this kernel: its Triton logit kernel and cuBLAS; torch.compile: its "
+                  "products); their rate counts 6·n·V·H flops over the n rows each method computes (this kernel "
+                  "skips the rows whose target is ignored). The other kernels are the softmax and memory passes "
+                  "and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]

@@ -5,6 +5,7 @@ One call handles one chunk of rows; the chunk loop and the matrix products live 
 """
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -159,6 +160,15 @@ def _max_programs(device: torch.device) -> int:
 
 
 # ---- launches ---------------------------------------------------------------------------
+class TileState(NamedTuple):
+    """What a chunk's sweep leaves for its gradient: each (row, tile)'s max [rows, num_tiles]
+    and the tile width it was swept with, which the passes over its buffer must use too."""
+
+    tile_max: torch.Tensor
+    block_v: int
+
+
+
 def _flags(opts: LossOptions, bias) -> dict:
     return dict(
         HAS_BIAS=bias is not None,
@@ -189,12 +199,11 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return torch.empty(1, device=device)
 
 
-def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, out, tile_stats, target_logit,
+def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
                         return_metrics=False):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    block_v = tile_width(hidden.dtype)
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
     dummy = _dummy(hidden.device)
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
@@ -256,7 +265,8 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     each row's entropy term and argmax too."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
-    num_tiles = triton.cdiv(vocab_size, tile_width(hidden.dtype))
+    block_v = tile_width(hidden.dtype)  # once a chunk: the state carries it to the buffer's passes
+    num_tiles = triton.cdiv(vocab_size, block_v)
     device = hidden.device
     acc_dtype = accumulation_dtype(hidden.dtype)
     f32 = dict(device=device, dtype=acc_dtype)  # float64 for float64 inputs
@@ -274,7 +284,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
-    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, out=shifted_out,
+    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
                         class_weight=class_weight, return_metrics=return_metrics)
 
@@ -302,7 +312,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
         ACC_DTYPE=_acc_dtype(hidden.dtype),
     )
-    return stats, tile_stats[0]
+    return stats, TileState(tile_stats[0], block_v)
 
 
 def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,
@@ -343,13 +353,13 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     adds the chunk's column sums to ``bias_grad_acc`` [V] fp32 unless it is None.
     Returns the grad logits [rows, V] (the buffer itself)."""
     n_rows, vocab_size = buffer.shape
-    block_v = tile_width(buffer.dtype)
+    block_v = state.block_v
     # Without a bias, programs also split the rows (more of them in flight: this pass is
     # bound by memory bandwidth); with one, a program walks all rows of its columns.
     rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
     grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
     K._grad_from_shifted_kernel[grid](
-        buffer, state, lse, loss_grad, targets,
+        buffer, state.tile_max, lse, loss_grad, targets,
         bias_grad_acc if bias_grad_acc is not None else _dummy(buffer.device),
         n_rows, rows_per_program, vocab_size, buffer.stride(0),
         **_scalars(opts, vocab_size),
@@ -425,9 +435,9 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
     block_r = 16 if interpreting() else 64
     K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
-        buffer, state, row_max, row_ref, lse, loss_grad, targets, row_factor,
+        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, row_factor,
         n_rows, vocab_size, buffer.stride(0), float(opts.logit_scale),
-        BLOCK_R=block_r, BLOCK_V=tile_width(buffer.dtype), num_warps=4,
+        BLOCK_R=block_r, BLOCK_V=state.block_v, num_warps=4,
     )
     return row_factor
 
@@ -439,7 +449,8 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     With label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] give the smoothing
     term its class weights (see ``_chunked.kernel_row_grads``)."""
     dummy = _dummy(hidden.device)
-    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, out=out,
+    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, block_v=tile_width(hidden.dtype),
+                        out=out,
                         tile_stats=(dummy,) * 5, target_logit=dummy, lse=lse, loss_grad=loss_grad,
                         lse_grad=lse_grad, class_weight=class_weight, smooth_grad=smooth_grad)
     if bias_grad_acc is not None:

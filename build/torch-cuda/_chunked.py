@@ -29,11 +29,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import _torch_backend, _triton_backend
+from ._backend import Backend
 from ._distributed import Shard
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
-def backend_for(device: torch.device):
+def backend_for(device: torch.device) -> Backend:
     """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, when the kernels were
     decorated for the interpreter, i.e. the variable was set at import), else PyTorch."""
     if device.type == "cuda":

@@ -1,0 +1,84 @@
+"""The contract between the chunk loop (``_chunked``) and a backend: what each call takes and gives.
+
+Two modules honour it: ``_triton_backend`` (the Triton kernels, on CUDA, or in Triton's CPU
+interpreter) and ``_torch_backend`` (PyTorch, for CPU tensors). A backend is a module, so the
+contract is written as ``Protocol`` classes whose methods stand for its functions (``self`` is
+the module); ``tests/test_backends.py`` checks both modules against them, names and parameters.
+
+Shapes: ``rows`` is a chunk's rows, ``V`` the weight's vocabulary rows (a slice of the whole
+vocabulary under vocabulary parallelism), ``H`` the hidden size. "fp32" means the accumulation
+dtype: fp64 for fp64 inputs.
+"""
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ._options import LossOptions, RowResults, RowStats
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def chunk_rows(self, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
+                   spread: bool = True, hidden_size: int = 0) -> int:
+        """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk."""
+
+    def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the
+        backend's ``row_stats`` writes (the inputs' dtype, or fp32 for PyTorch's logits)."""
+
+    def order_rows(self, targets: torch.Tensor, ignore_index: int, mean: bool) -> tuple:
+        """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
+        int64 [1], d loss / d loss_i fp32 [N] of the ordered rows)."""
+
+    def factored_gradient(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
+        """Whether training chunks take the factored gradient (``FactoredBackend``)."""
+
+    def row_stats(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  targets: torch.Tensor, opts: LossOptions, shifted_out: torch.Tensor | None = None,
+                  row_ref: torch.Tensor | None = None, loss_grad: torch.Tensor | None = None,
+                  class_weight: torch.Tensor | None = None, target_logit: torch.Tensor | None = None,
+                  return_metrics: bool = False) -> tuple[RowStats, Any]:
+        """Softmax statistics [rows] of hidden [rows, H] against weight [V, H] (+ bias [V]), and
+        the state that ``grad_from_stored`` / ``row_factors`` take; ``shifted_out`` (a buffer)
+        keeps what the gradient is made from."""
+
+    def finalize(self, stats: RowStats, targets: torch.Tensor, opts: LossOptions, vocab_size: int,
+                 out: RowResults, return_metrics: bool = False) -> None:
+        """Per-row lse, loss (and metrics) [rows] written to ``out`` from merged statistics."""
+
+    def grad_from_stored(self, buffer: torch.Tensor, state: Any, targets: torch.Tensor, lse: torch.Tensor,
+                         loss_grad: torch.Tensor, opts: LossOptions,
+                         bias_grad_acc: torch.Tensor | None) -> torch.Tensor:
+        """Grad logits [rows, V] (d out / d raw logits) made in place in ``buffer``, once lse
+        [rows] is known; adds their column sums to ``bias_grad_acc`` [V] fp32 unless None."""
+
+    def grad_logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, lse: torch.Tensor, loss_grad: torch.Tensor,
+                    lse_grad: torch.Tensor | None, opts: LossOptions, out: torch.Tensor,
+                    bias_grad_acc: torch.Tensor | None, class_weight: torch.Tensor | None = None,
+                    smooth_grad: torch.Tensor | None = None) -> torch.Tensor:
+        """Recomputes a chunk's logits and writes its grad logits [rows, V] to ``out`` (returned)."""
+
+    def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> None:
+        """x *= scale in place (scale: a one-element fp32 tensor)."""
+
+
+@runtime_checkable
+class FactoredBackend(Backend, Protocol):
+    """A backend whose training chunks can keep exponentials and factor their gradient as
+    diag(r) E' (see ``_kernels``); called only where ``factored_gradient`` says so."""
+
+    def row_reference(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, target_logit) [rows] fp32: the reference of each row's exponentials (its target's
+        logit, column 0 where it has none here) and the target's logit (NaN where none here)."""
+
+    def row_factors(self, buffer: torch.Tensor, state: Any, row_max: torch.Tensor, row_ref: torch.Tensor,
+                    lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,
+                    opts: LossOptions) -> torch.Tensor:
+        """Makes the stored exponentials E' in place; returns r [rows] fp32 with G = diag(r) E'."""
+
+    def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
+                   dst_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """dst[dst_rows] = factor[:, None] * src, rounded once to dst's dtype; returns dst."""
