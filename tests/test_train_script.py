@@ -55,7 +55,9 @@ def test_generated_language_uses_the_vocabulary():
 
 
 def _run(out_dir, *extra):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}  # the engine is tested, not the backend
+    # The engine is tested, not the backend; no GPU visible, so that on a one-GPU machine rank 1's
+    # device mesh does not look for a second CUDA device.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                str(ROOT / "scripts" / "train_fsdp.py"), "--tiny", "--device", "cpu", "--out", str(out_dir), *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
