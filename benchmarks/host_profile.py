@@ -33,7 +33,7 @@ def main():
         hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
         h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
 
-        def step():
+        def step(h=h, w=w, targets=targets):
             h.grad = w.grad = None
             flce.fused_linear_cross_entropy(h, w, targets).backward()
 
