@@ -312,9 +312,10 @@ def summary(latest):
               if e is not None]
     text = (
         f"Where it stands, from these runs: the extra memory of a training step is {_range(mem, '.0%')} of the "
-        f"bf16 logits at N = 8192 and stays flat with N ({_range(scaling_mem[OURS])} MiB from N = "
-        f"{_scaling_span(latest)} "
-        f"on the Llama-3 head; over the same range: {peers_mem} MiB). The largest of the loss and gradient "
+        f"bf16 logits at N = 8192 and bounded in N ({_range(scaling_mem[OURS])} MiB from N = "
+        f"{_scaling_span(latest)} on the Llama-3 head, the larger past 8 chunks of rows, where grad_weight's "
+        f"fp32 sum of V·H·4 bytes keeps its error bounded too; over the same range: {peers_mem} MiB). "
+        f"The largest of the loss and gradient "
         f"errors is {_range(errors, '.2f')}× plain PyTorch's (bf16, both kinds of inputs). Against the fastest "
         f"peer in the same run ({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
         f"{_listing(step, '.2f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.2f', '×')} on "
