@@ -385,14 +385,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     first = _first_chunk_rows(n_rows, chunk, row_order, training)
     if row_order is not None:
         targets = row_order.targets
-    # Per-row results in the computed order; rows never computed (ignored) keep these values.
-    results = RowResults(
-        lse=torch.zeros(n_rows, **f32),
-        loss=torch.zeros(n_rows, **f32),
-        correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if return_metrics else None,
-        entropy=torch.zeros(n_rows, **f32) if return_metrics else None,
-        prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if return_metrics else None,
-    )
+    results = _new_results(n_rows, return_metrics, f32)
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
@@ -405,11 +398,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
     if training:
         buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
-        if row_order is None or row_weight is not None:
-            loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=device), row_weight)
-            loss_grad = kernel_row_grads(loss_grad, None, row_weight, weight_sum, opts, vocab_size)[0]
-        else:
-            loss_grad = row_order.loss_grad
+        loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, row_weight, weight_sum, vocab_size)
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.
@@ -430,34 +419,61 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     for start, end in _spans(n_rows, chunk, row_order, first):
         computed = end
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
-        slice_targets_c = slice_targets[start:end]
+        targets_c = slice_targets[start:end]
         stored = buffer[: end - start] if training else None
-        # The factored gradient's reference: each row's target logit (also the loss's).
-        row_ref, target_logit = (backend.row_reference(hidden_c, weight, slice_targets_c, opts) if factored
-                                 else (None, None))
-        stats, state = backend.row_stats(hidden_c, weight, bias, slice_targets_c, opts, stored,
-                                         row_ref=row_ref, loss_grad=loss_grad[start:end] if factored else None,
-                                         class_weight=local_class_weight, target_logit=target_logit,
-                                         return_metrics=return_metrics)
+        loss_grad_c = loss_grad[start:end] if training else None
+        # statistics of the chunk's sweep (and, training, what its gradient is made from)
+        row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)
+        stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
+                                         loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
+                                         target_logit=target_logit, return_metrics=return_metrics)
         if merge_once:
             chunk_stats.append(stats)
             continue
         local_row_max = stats.row_max
-        if shard is not None:
+        if shard is not None:  # merge across the vocabulary's slices
             stats = shard.merge(stats)
-        out = finish(stats, start, end)
-        if factored:
-            row_factor = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad[start:end],
-                                             slice_targets_c, opts)
+        out = finish(stats, start, end)  # finalize
+        if factored:  # gradient
+            row_factor = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c, targets_c,
+                                             opts)
             gradients.add(start, end, hidden_c, stored, weight, row_factor, backend)
         elif training:
-            grad_logits = backend.grad_from_stored(
-                stored, state, slice_targets_c, out.lse, loss_grad[start:end], opts, gradients.bias_acc
-            )
+            grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
+                                                   gradients.bias_acc)
             gradients.add(start, end, hidden_c, grad_logits, weight)
     if merge_once and chunk_stats:
         finish(shard.merge(_concat_stats(chunk_stats)), 0, computed)
-    grad_hidden, grad_weight, grad_bias = gradients.finish(hidden.dtype, bias)
+    return _forward_result(results, gradients.finish(hidden.dtype, bias), targets, opts, reduction, row_order,
+                           row_weight, return_metrics, f32)
+
+
+def _new_results(n_rows: int, return_metrics: bool, f32: dict) -> RowResults:
+    """Per-row results [N] in the computed order; rows never computed (ignored) keep these values."""
+    device = f32["device"]
+    return RowResults(
+        lse=torch.zeros(n_rows, **f32),
+        loss=torch.zeros(n_rows, **f32),
+        correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if return_metrics else None,
+        entropy=torch.zeros(n_rows, **f32) if return_metrics else None,
+        prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if return_metrics else None,
+    )
+
+
+def _sweep_loss_grad(targets, opts: LossOptions, reduction: str, row_order: _RowOrder | None, row_weight,
+                     weight_sum, vocab_size: int) -> torch.Tensor:
+    """d loss / d loss_i [N] of the rows in the computed order, for the gradients made in the
+    sweep (grad_output 1): the row order's own, or with class weights (or every row computed)
+    from the targets."""
+    if row_order is not None and row_weight is None:
+        return row_order.loss_grad
+    loss_grad = row_loss_grad(targets, opts, reduction, torch.ones((), device=targets.device), row_weight)
+    return kernel_row_grads(loss_grad, None, row_weight, weight_sum, opts, vocab_size)[0]
+
+
+def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOptions, reduction: str,
+                    row_order: _RowOrder | None, row_weight, return_metrics: bool, f32: dict) -> ForwardResult:
+    """The reduced loss and metrics, with the per-row results back in the rows' own order."""
 
     def unordered(t):
         return t if t is None or row_order is None else row_order.unorder(t)
@@ -474,8 +490,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if return_metrics:
         num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:
-        num_correct = torch.zeros((), device=device, dtype=torch.int64)
+        num_correct = torch.zeros((), device=f32["device"], dtype=torch.int64)
         entropy_sum = torch.zeros((), **f32)
+    grad_hidden, grad_weight, grad_bias = gradients
     return ForwardResult(
         loss=loss, lse=unordered(results.lse), num_correct=num_correct, entropy_sum=entropy_sum,
         grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
