@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ranks import exit_without_teardown
 from conftest import DEVICE
 from reference import reference
 
@@ -57,6 +58,7 @@ def _worker(rank, world, store, error_file):
         _check_metrics_bit_identity(flce, rank, world)
         _check_data_parallel(flce, rank, world)
         _check_dtensor(flce, rank, world)
+        dist.barrier()  # every rank past its last collective before any tears the group down
     except BaseException:
         with open(error_file, "a") as f:
             f.write(f"rank {rank}:\n{traceback.format_exc()}\n")
@@ -64,6 +66,7 @@ def _worker(rank, world, store, error_file):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def _check_metrics_bit_identity(flce, rank, world, device="cpu"):

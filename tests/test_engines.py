@@ -10,6 +10,7 @@ import traceback
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ranks import exit_without_teardown
 from conftest import DEVICE
 
 pytest.importorskip("transformers")
@@ -36,8 +37,10 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                 status = f"rank {rank}:\n{traceback.format_exc()}"
             with open(os.path.join(out_dir, f"{engine}.{rank}"), "w") as f:
                 f.write(status)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()  # the outcomes are written
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 _NUM_OPTIONS = LossOptions.num_op_args()
-_FORWARD_FLAGS = "str reduction, bool return_metrics, bool grad_hidden, bool grad_weight, bool grad_bias, " \
-                 "bool lse_of_all_rows"
+_FORWARD_FLAGS = ("str reduction, bool return_metrics, bool grad_hidden, bool grad_weight, bool grad_bias, "
+                  "bool lse_of_all_rows")
 _FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, "
                    f"{LossOptions.op_schema()}, {_FORWARD_FLAGS}) -> ({', '.join(['Tensor'] * 10)})")
 _BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, Tensor lse, "

@@ -184,13 +184,11 @@ class _Gradients:
         self.grad_weight = _new_weight_grad(vocab_size, hidden.shape[1], hidden, chunk, n_chunks) if want_w else None
         self.bias_acc = torch.zeros(vocab_size, device=hidden.device,
                                     dtype=accumulation_dtype(hidden.dtype)) if want_b else None
-        self.first = True
         self.computed = 0
         # Chunks summed in the 16-bit grad_weight since it last restarted; past group_size of
-        # them, they go to the fp32 weight_sum (see _add_weight_chunk).
+        # them, they go to the fp32 weight_sum (see _add_weight_chunk). None: no groups (fp32, fp64).
         self.group_chunks = 0
-        sixteen_bit = hidden.element_size() < 4
-        self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if sixteen_bit else n_chunks + 1
+        self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if hidden.element_size() < 4 else None
         self.weight_sum = None
 
     def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
@@ -221,7 +219,6 @@ class _Gradients:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
             self._add_weight_chunk(grad_logits.to(hidden_c.dtype).t(), rhs)
-        self.first = False
 
     def _add_weight_chunk(self, lhs, rhs):
         """grad_weight += lhs @ rhs. A 16-bit running sum is rounded once a chunk, so that its
@@ -232,7 +229,7 @@ class _Gradients:
         if self.grad_weight.dtype != lhs.dtype:  # an fp32 accumulator from the start (small heads)
             _addmm_f32_(self.grad_weight, lhs, rhs)
             return
-        if self.group_chunks == self.group_size:
+        if self.group_size is not None and self.group_chunks == self.group_size:
             if self.weight_sum is None:
                 self.weight_sum = self.grad_weight.float()
             else:

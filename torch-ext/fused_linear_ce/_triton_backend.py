@@ -168,7 +168,6 @@ class TileState(NamedTuple):
     block_v: int
 
 
-
 def _flags(opts: LossOptions, bias) -> dict:
     return dict(
         HAS_BIAS=bias is not None,
@@ -278,6 +277,8 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         tile_array(True), tile_array(True), tile_array(return_metrics),
         tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
+    if (row_ref is None) != (target_logit is None):  # mode 3 writes no target logit: it must come along
+        raise ValueError("row_stats takes row_ref and target_logit together (both from row_reference)")
     if target_logit is None:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), **f32)
     if shifted_out is None:
