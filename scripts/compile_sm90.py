@@ -1,8 +1,10 @@
 """Compiles the logit kernel for Hopper (sm_90) without a GPU: every mode, persistent, with the
 copy engine (TMA), through Triton's own compiler, so that a kernel the interpreter runs but the
-GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine.
+GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
+``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass)
+with their flags on and off.
 
-    TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...]
+    TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
 
 Prints one line per variant: "ok <shared memory bytes>" or the error; exits 1 on any error.
 """
@@ -52,10 +54,39 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
 
 
+# Pointer dtypes of the per-row kernels' arguments other than fp32.
+ROW_POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64", "correct_ptr": "*i32",
+                "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16"}
+ROW_FLOATS = ("logit_scale", "inv_vocab_size", "label_smoothing", "z_loss_scale")
+ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
+    "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
+    "_finalize_rows_kernel": dict(BLOCK_R=128),
+    "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
+    "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
+}
+
+
+def compile_row_kernel(name: str, flags_on: bool):
+    """A per-row kernel compiled for sm_90, its boolean constexprs all ``flags_on``."""
+    fn = getattr(K, name)
+    signature, constants = {}, dict(ROW_KERNELS[name])
+    for param_name, param in inspect.signature(fn.fn).parameters.items():
+        if param_name.endswith("_ptr"):
+            signature[param_name] = ROW_POINTERS.get(param_name, "*fp32")
+        elif param_name in constants or param.annotation is tl.constexpr or param_name.isupper():
+            signature[param_name] = "constexpr"
+            constants.setdefault(param_name, flags_on)
+        else:
+            signature[param_name] = "fp32" if param_name in ROW_FLOATS else "i32"
+    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="0,1,2,3")
     parser.add_argument("--flags", default="", help="constexpr overrides, e.g. RETURN_METRICS=1,HAS_BIAS=1")
+    parser.add_argument("--row-kernels", action="store_true")
     args = parser.parse_args()
     flags = {k: bool(int(v)) for k, v in (kv.split("=") for kv in args.flags.split(",") if kv)}
     failed = 0
@@ -66,6 +97,14 @@ def main() -> int:
         except Exception as e:  # a compile error is the result to report
             failed += 1
             print(f"mode {mode} {args.flags}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+    for name in ROW_KERNELS if args.row_kernels else ():
+        for flags_on in (False, True):
+            try:
+                kernel = compile_row_kernel(name, flags_on)
+                print(f"{name} flags={int(flags_on)}: ok {kernel.metadata.shared}")
+            except Exception as e:
+                failed += 1
+                print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
     return 1 if failed else 0
 
 

@@ -34,3 +34,10 @@ def test_a_combination_the_launches_never_make_is_refused():
     """The factored mode with a bias fails its static assertion: the check can fail."""
     run = _compile("--modes", "3", "--flags", "HAS_BIAS=1")
     assert run.returncode == 1 and "one factor per row" in run.stdout
+
+
+def test_the_row_kernels_compile_for_sm90():
+    """The per-row kernels (merge, finalize, factors, the fused factored pass), flags off and on."""
+    run = _compile("--modes", "0", "--row-kernels")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(": ok ") == 1 + 2 * 4

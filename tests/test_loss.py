@@ -454,24 +454,27 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
     backend = submodule(flce, "_triton_backend")
     gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
-    swept_rows, moved_rows = [], []
-    row_stats, row_factors = backend.row_stats, backend.row_factors
+    swept_rows, references, row_maxes = [], [], []
+    row_reference, factored_chunk = backend.row_reference, backend.factored_chunk
 
-    def counting_row_stats(hidden, *args, **kwargs):
+    def recording_row_reference(*args):
+        row_ref, target_logit = row_reference(*args)
+        references.append(row_ref.clone())
+        return row_ref, target_logit
+
+    def recording_factored_chunk(hidden, *args, **kwargs):
         swept_rows.append(hidden.shape[0])
-        return row_stats(hidden, *args, **kwargs)
+        stats, row_factor = factored_chunk(hidden, *args, **kwargs)
+        row_maxes.append(stats.row_max.clone())
+        return stats, row_factor
 
-    def counting_row_factors(buffer, state, row_max, row_ref, *args):
-        moved_rows.append(int((row_max > row_ref + gap).sum()))
-        return row_factors(buffer, state, row_max, row_ref, *args)
-
-    monkeypatch.setattr(backend, "row_stats", counting_row_stats)
-    monkeypatch.setattr(backend, "row_factors", counting_row_factors)
+    monkeypatch.setattr(backend, "row_reference", recording_row_reference)
+    monkeypatch.setattr(backend, "factored_chunk", recording_factored_chunk)
     hidden, weight, targets, bias = make_inputs(37, H, V, dtype, seed=77, ignore=0.3, scale=30.0)
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
     loss.backward()
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
-
+    moved_rows = [int((m > r + gap).sum()) for m, r in zip(row_maxes, references, strict=True)]
     num_valid = int((targets != -100).sum())
     assert sum(swept_rows) == num_valid < 37
     assert len(moved_rows) == len(swept_rows) and sum(moved_rows) > 0
@@ -501,8 +504,9 @@ def test_order_rows_is_a_stable_partition(flce, backend_name, mean):
 
 
 def test_device_tensors_use_the_triton_backend(flce, monkeypatch):
-    """CUDA tensors, and CPU tensors under TRITON_INTERPRET=1, run the Triton kernels."""
-    triton_calls = _count_calls(monkeypatch, submodule(flce, "_triton_backend"), "row_stats")
+    """CUDA tensors, and CPU tensors under TRITON_INTERPRET=1, run the Triton kernels (this
+    step's chunks are factored: one ``factored_chunk`` each)."""
+    triton_calls = _count_calls(monkeypatch, submodule(flce, "_triton_backend"), "factored_chunk")
     torch_calls = _count_calls(monkeypatch, submodule(flce, "_torch_backend"), "row_stats")
     if DEVICE == "cpu":
         assert submodule(flce, "_triton_backend").interpreting()

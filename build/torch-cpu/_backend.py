@@ -79,6 +79,15 @@ class FactoredBackend(Backend, Protocol):
                     opts: LossOptions) -> torch.Tensor:
         """Makes the stored exponentials E' in place; returns r [rows] fp32 with G = diag(r) E'."""
 
+    def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                       buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
+                       scaled_hidden: torch.Tensor | None = None,
+                       return_metrics: bool = False) -> tuple[RowStats, torch.Tensor]:
+        """A whole factored chunk when ``weight`` is the whole vocabulary (no merge across
+        shards): ``row_reference``, ``row_stats`` into ``buffer``, ``finalize`` into ``out`` and
+        ``row_factors`` in one, and with ``scaled_hidden`` [rows, H] also diag(r) hidden
+        written there. Returns (stats, r [rows] fp32)."""
+
     def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
                    dst_rows: torch.Tensor | None = None) -> torch.Tensor:
         """dst[dst_rows] = factor[:, None] * src, rounded once to dst's dtype; returns dst."""

@@ -348,6 +348,77 @@ def _logit_tile_kernel(
                 tl.store(out_ptrs, tile_out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _merge_tiles(
+    tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_logit_sum_ptr, row_ref,
+    offs_r, row_mask, num_tiles,
+    RETURN_METRICS: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ROW_REFERENCE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    """The row statistics [BLOCK_R] of rows ``offs_r`` merged from their tiles' [rows, num_tiles],
+    in tile order (deterministic): (row_max, sum_exp relative to it, entropy term relative to it,
+    argmax int32, logit sum); the last three are zeros / NO_INDEX unless RETURN_METRICS or
+    HAS_SMOOTHING. The tiles' sums are relative to their tile max, or with ROW_REFERENCE to
+    ``_exp_reference``'s against ``row_ref`` [BLOCK_R]."""
+    base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
+
+    # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
+    # end: fewer shuffles, and a loop shape the compiler handles well.
+    running_max = tl.full((BLOCK_R, BLOCK_T), float("-inf"), ACC_DTYPE)
+    for t in range(0, num_tiles, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
+        tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
+        running_max = tl.maximum(running_max, tile_max)
+    row_max = tl.max(running_max, axis=1)  # [BLOCK_R]
+    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    if not ROW_REFERENCE:
+        row_ref = row_max
+
+    sum_exp = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+    entropy_term = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+    logit_sum = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+    argmax = tl.full((BLOCK_R, BLOCK_T), NO_INDEX, tl.int32)
+    for t in range(0, num_tiles, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
+        ptrs = base + offs_t[None, :]
+        tile_max = tl.load(tile_max_ptr + ptrs, mask=mask, other=float("-inf"))
+        tile_sum = tl.load(tile_sum_exp_ptr + ptrs, mask=mask, other=0.0)
+        live = tile_max > float("-inf")  # fully masked tiles contribute nothing
+        reference = _exp_reference(tile_max, row_ref[:, None], ROW_REFERENCE)
+        weight = tl.where(live, tl.exp(reference - safe_max[:, None]), 0.0)
+        sum_exp += weight * tile_sum
+        if RETURN_METRICS:
+            tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
+            gap = tl.where(live, safe_max[:, None] - reference, 0.0)
+            entropy_term += weight * (tile_entropy + tile_sum * gap)
+            tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=NO_INDEX)
+            at_max = mask & (tile_max == row_max[:, None])
+            argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, NO_INDEX))
+        if HAS_SMOOTHING:
+            logit_sum += tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0)
+    # Fixed-shape tree reductions: the same summation order on every call.
+    return (row_max, tl.sum(sum_exp, axis=1), tl.sum(entropy_term, axis=1), tl.min(argmax, axis=1),
+            tl.sum(logit_sum, axis=1))
+
+
+@triton.jit
+def _store_row_stats(
+    row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
+    offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
+    RETURN_METRICS: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+):
+    """Stores ``_merge_tiles``' statistics of rows ``offs_r`` (argmax as int64)."""
+    tl.store(row_max_ptr + offs_r, row_max, mask=row_mask)
+    tl.store(row_sum_exp_ptr + offs_r, sum_exp, mask=row_mask)
+    if RETURN_METRICS:
+        tl.store(row_entropy_ptr + offs_r, entropy_term, mask=row_mask)
+        tl.store(row_argmax_ptr + offs_r, argmax.to(tl.int64), mask=row_mask)
+    if HAS_SMOOTHING:
+        tl.store(row_logit_sum_ptr + offs_r, logit_sum, mask=row_mask)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _combine_tiles_kernel(
     # pointers
@@ -373,58 +444,55 @@ def _combine_tiles_kernel(
     BLOCK_T: tl.constexpr,
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the statistics (fp64 for fp64 inputs)
 ):
-    """Merges the per-tile statistics of each row, in tile order (deterministic). The tiles'
-    sums are relative to their tile max, or with ROW_REFERENCE to ``_exp_reference``'s."""
+    """Merges the per-tile statistics of each row (``_merge_tiles``)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = offs_r < n_rows
-    base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
-
-    # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
-    # end: fewer shuffles, and a loop shape the compiler handles well.
-    running_max = tl.full((BLOCK_R, BLOCK_T), float("-inf"), ACC_DTYPE)
-    for t in range(0, num_tiles, BLOCK_T):
-        offs_t = t + tl.arange(0, BLOCK_T)
-        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
-        tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
-        running_max = tl.maximum(running_max, tile_max)
-    row_max = tl.max(running_max, axis=1)  # [BLOCK_R]
-    safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    row_ref = row_max
+    row_ref = tl.zeros((BLOCK_R,), ACC_DTYPE)
     if ROW_REFERENCE:
         row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
+    row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
+        tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_logit_sum_ptr, row_ref,
+        offs_r, row_mask, num_tiles,
+        RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING, ROW_REFERENCE=ROW_REFERENCE,
+        BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=ACC_DTYPE,
+    )
+    _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
+                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
+                     RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING)
 
-    sum_exp = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
-    entropy_term = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
-    logit_sum = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
-    argmax = tl.full((BLOCK_R, BLOCK_T), NO_INDEX, tl.int32)
-    for t in range(0, num_tiles, BLOCK_T):
-        offs_t = t + tl.arange(0, BLOCK_T)
-        mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
-        ptrs = base + offs_t[None, :]
-        tile_max = tl.load(tile_max_ptr + ptrs, mask=mask, other=float("-inf"))
-        tile_sum = tl.load(tile_sum_exp_ptr + ptrs, mask=mask, other=0.0)
-        live = tile_max > float("-inf")  # fully masked tiles contribute nothing
-        reference = _exp_reference(tile_max, row_ref[:, None], ROW_REFERENCE)
-        weight = tl.where(live, tl.exp(reference - safe_max[:, None]), 0.0)
-        sum_exp += weight * tile_sum
-        if RETURN_METRICS:
-            tile_entropy = tl.load(tile_entropy_ptr + ptrs, mask=mask, other=0.0)
-            gap = tl.where(live, safe_max[:, None] - reference, 0.0)
-            entropy_term += weight * (tile_entropy + tile_sum * gap)
-            tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=NO_INDEX)
-            at_max = mask & (tile_max == row_max[:, None])
-            argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, NO_INDEX))
-        if HAS_SMOOTHING:
-            logit_sum += tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0)
 
-    tl.store(row_max_ptr + offs_r, row_max, mask=row_mask)
-    # Fixed-shape tree reductions: the same summation order on every call.
-    tl.store(row_sum_exp_ptr + offs_r, tl.sum(sum_exp, axis=1), mask=row_mask)
-    if RETURN_METRICS:
-        tl.store(row_entropy_ptr + offs_r, tl.sum(entropy_term, axis=1), mask=row_mask)
-        tl.store(row_argmax_ptr + offs_r, tl.min(argmax, axis=1).to(tl.int64), mask=row_mask)
+@triton.jit
+def _finalize(
+    row_max, sum_exp, entropy_term, argmax, logit_sum, target_logit, targets, valid,
+    inv_vocab_size, label_smoothing, z_loss_scale,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):
+    """(lse, loss, correct int32, entropy) [BLOCK_R] of rows from their merged statistics; loss,
+    correct and entropy are 0 where not ``valid`` (ignored rows)."""
+    log_sum_exp = tl.log(sum_exp)
+    lse = row_max + log_sum_exp
     if HAS_SMOOTHING:
-        tl.store(row_logit_sum_ptr + offs_r, tl.sum(logit_sum, axis=1), mask=row_mask)
+        loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * inv_vocab_size * logit_sum
+    else:
+        loss = lse - target_logit
+    if HAS_Z_LOSS:
+        loss = loss + z_loss_scale * lse * lse
+    correct = (valid & (argmax == targets)).to(tl.int32)
+    entropy = log_sum_exp + entropy_term / sum_exp
+    return lse, tl.where(valid, loss, 0.0), correct, tl.where(valid, entropy, 0.0)
+
+
+@triton.jit
+def _store_results(
+    lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
+    RETURN_METRICS: tl.constexpr,
+):
+    """Stores ``_finalize``'s per-row results."""
+    tl.store(lse_ptr + offs_r, lse, mask=row_mask)
+    tl.store(loss_ptr + offs_r, loss, mask=row_mask)
+    if RETURN_METRICS:
+        tl.store(correct_ptr + offs_r, correct, mask=row_mask)
+        tl.store(entropy_ptr + offs_r, entropy, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -453,35 +521,27 @@ def _finalize_rows_kernel(
     HAS_Z_LOSS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Per-row lse, loss, correctness and entropy from the merged row statistics."""
+    """Per-row lse, loss, correctness and entropy from the merged row statistics (``_finalize``)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     row_max = tl.load(row_max_ptr + offs_r, mask=row_mask, other=0.0)
     sum_exp = tl.load(row_sum_exp_ptr + offs_r, mask=row_mask, other=1.0)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=ignore_index)
-    valid = targets != ignore_index
-
-    log_sum_exp = tl.log(sum_exp)
-    lse = row_max + log_sum_exp
-    tl.store(lse_ptr + offs_r, lse, mask=row_mask)
-
     target_logit = tl.load(target_logit_ptr + offs_r, mask=row_mask, other=0.0)
+    entropy_term = tl.zeros_like(row_max)
+    argmax = tl.full(row_max.shape, -1, tl.int64)
+    logit_sum = tl.zeros_like(row_max)
+    if RETURN_METRICS:
+        entropy_term = tl.load(row_entropy_ptr + offs_r, mask=row_mask, other=0.0)
+        argmax = tl.load(row_argmax_ptr + offs_r, mask=row_mask, other=-1)
     if HAS_SMOOTHING:
         logit_sum = tl.load(row_logit_sum_ptr + offs_r, mask=row_mask, other=0.0)
-        loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * inv_vocab_size * logit_sum
-    else:
-        loss = lse - target_logit
-    if HAS_Z_LOSS:
-        loss = loss + z_loss_scale * lse * lse
-    tl.store(loss_ptr + offs_r, tl.where(valid, loss, 0.0), mask=row_mask)
-
-    if RETURN_METRICS:
-        argmax = tl.load(row_argmax_ptr + offs_r, mask=row_mask, other=-1)
-        correct = valid & (argmax == targets)
-        tl.store(correct_ptr + offs_r, correct.to(tl.int32), mask=row_mask)
-        entropy_term = tl.load(row_entropy_ptr + offs_r, mask=row_mask, other=0.0)
-        entropy = log_sum_exp + entropy_term / sum_exp
-        tl.store(entropy_ptr + offs_r, tl.where(valid, entropy, 0.0), mask=row_mask)
+    lse, loss, correct, entropy = _finalize(
+        row_max, sum_exp, entropy_term, argmax, logit_sum, target_logit, targets, targets != ignore_index,
+        inv_vocab_size, label_smoothing, z_loss_scale, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
+    )
+    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
+                   RETURN_METRICS=RETURN_METRICS)
 
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
@@ -555,6 +615,46 @@ def _grad_from_shifted_kernel(
         tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
 
 
+@triton.jit
+def _factor_rows(
+    buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
+    vocab_size, stride_buf_n, logit_scale,
+    BLOCK_V: tl.constexpr,
+):
+    """Makes the stored exponentials of rows ``offs_r`` the factored gradient, G = diag(r) E',
+    and returns r [BLOCK_R] fp32.
+
+    A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
+    than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
+    Then r = s g exp(R - lse), and exp(lse - R) is taken off at the target column, so that
+    r E'_it = s g (p_t - 1). BLOCK_V must be the logit kernel's tile width.
+    """
+    offs_r64 = offs_r.to(tl.int64)
+    moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
+    reference = tl.where(moved, row_max, row_ref)
+    has_grad = loss_grad != 0.0
+    factor = tl.where(has_grad, logit_scale * loss_grad * tl.exp(reference - lse), 0.0)
+
+    if tl.max(moved.to(tl.int32), axis=0) > 0:
+        num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+        for tile in range(0, num_tiles):
+            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            mask = moved[:, None] & (offs_v < vocab_size)[None, :]
+            tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
+            rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
+            ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
+            values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the target entries below are read after their rescaled store
+
+    at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
+    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
+    value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
+    value = value - tl.exp(lse - reference)
+    tl.store(target_ptrs, value.to(buffer_ptr.dtype.element_ty), mask=at_target)
+    return factor
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _row_factors_kernel(
     # pointers
@@ -576,44 +676,98 @@ def _row_factors_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Makes the stored exponentials of a chunk the factored gradient: G = diag(r) E'.
-
-    A row's final reference R is its B, or its max where a tile passed B by more than
-    REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
-    Then r = s g exp(R - lse), and exp(lse - R) is taken off at the target column, so that
-    r E'_it = s g (p_t - 1). BLOCK_V must be the logit kernel's tile width.
-    """
+    """The factored gradient's E' (in place) and r of a chunk's rows (``_factor_rows``), once
+    their lse over the whole vocabulary is known."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
-    offs_r64 = offs_r.to(tl.int64)
     row_max = tl.load(row_max_ptr + offs_r, mask=row_mask, other=0.0)
     row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
     lse = tl.load(lse_ptr + offs_r, mask=row_mask, other=0.0)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
-    moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
-    reference = tl.where(moved, row_max, row_ref)
-    has_grad = loss_grad != 0.0
-    factor = tl.where(has_grad, logit_scale * loss_grad * tl.exp(reference - lse), 0.0)
+    factor = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
+                          vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
 
-    if tl.max(moved.to(tl.int32), axis=0) > 0:
-        num_tiles = tl.cdiv(vocab_size, BLOCK_V)
-        for tile in range(0, num_tiles):
-            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask = moved[:, None] & (offs_v < vocab_size)[None, :]
-            tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
-            rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
-            ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
-            values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # the target entries below are read after their rescaled store
 
-    at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
-    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
-    value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
-    value = value - tl.exp(lse - reference)
-    tl.store(target_ptrs, value.to(buffer_ptr.dtype.element_ty), mask=at_target)
+@triton.jit(do_not_specialize=["n_rows"])
+def _factored_rows_kernel(
+    # pointers
+    tile_max_ptr,  # [n_rows, num_tiles] fp32 (mode 3's sweep, against row_ref)
+    tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32     (RETURN_METRICS)
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32     (RETURN_METRICS)
+    row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``_picked_logit_kernel``)
+    target_logit_ptr,  # [n_rows] fp32
+    targets_ptr,  # [n_rows] int
+    loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
+    buffer_ptr,  # [n_rows, V] in: mode 3's exponentials, out: E'
+    row_max_ptr,  # [n_rows] fp32 out
+    row_sum_exp_ptr,  # [n_rows] fp32 out
+    row_entropy_ptr,  # [n_rows] fp32 out               (RETURN_METRICS)
+    row_argmax_ptr,  # [n_rows] int64 out               (RETURN_METRICS)
+    lse_ptr,  # [n_rows] fp32 out
+    loss_ptr,  # [n_rows] fp32 out, 0 on ignored rows
+    correct_ptr,  # [n_rows] int32 out                  (RETURN_METRICS)
+    entropy_ptr,  # [n_rows] fp32 out                   (RETURN_METRICS)
+    row_factor_ptr,  # [n_rows] fp32 out: r
+    hidden_ptr,  # [n_rows, H] the chunk's hidden rows  (SCALE_HIDDEN)
+    scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous (SCALE_HIDDEN)
+    # sizes, strides and scalars
+    n_rows,
+    vocab_size,
+    hidden_size,
+    num_tiles,
+    stride_buf_n,
+    stride_hn,
+    stride_hk,
+    ignore_index,
+    logit_scale,
+    # meta-parameters
+    RETURN_METRICS: tl.constexpr,
+    SCALE_HIDDEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Everything a factored chunk's rows need after its sweep, in one launch, when its weight
+    is the whole vocabulary (no merge across shards): the merged statistics (``_merge_tiles``),
+    lse, loss and metrics (``_finalize``), E' and r (``_factor_rows``), and with SCALE_HIDDEN
+    the right-hand side of grad_weight's product, diag(r) hidden."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = offs_r < n_rows
+    row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
+    row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
+        tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_sum_exp_ptr, row_ref,
+        offs_r, row_mask, num_tiles,
+        RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=False, ROW_REFERENCE=True,
+        BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=tl.float32,
+    )
+    _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_max_ptr,
+                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
+                     RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=False)
+    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=ignore_index)
+    target_logit = tl.load(target_logit_ptr + offs_r, mask=row_mask, other=0.0)
+    lse, loss, correct, entropy = _finalize(
+        row_max, tl.where(row_mask, sum_exp, 1.0), entropy_term, argmax, logit_sum, target_logit, targets,
+        targets != ignore_index, 0.0, 0.0, 0.0, HAS_SMOOTHING=False, HAS_Z_LOSS=False,
+    )
+    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
+                   RETURN_METRICS=RETURN_METRICS)
+    loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
+    factor = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
+                          vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+    tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
+    if SCALE_HIDDEN:
+        offs_r64 = offs_r.to(tl.int64)
+        for k in range(0, hidden_size, BLOCK_H):
+            offs_h = k + tl.arange(0, BLOCK_H)
+            mask = row_mask[:, None] & (offs_h < hidden_size)[None, :]
+            h = tl.load(hidden_ptr + offs_r64[:, None] * stride_hn + offs_h[None, :] * stride_hk, mask=mask, other=0.0)
+            scaled = h.to(tl.float32) * factor[:, None]
+            tl.store(scaled_hidden_ptr + offs_r64[:, None] * hidden_size + offs_h[None, :],
+                     scaled.to(scaled_hidden_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows", "ignore_index"])

@@ -191,10 +191,11 @@ class _Gradients:
         self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if hidden.element_size() < 4 else None
         self.weight_sum = None
 
-    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
+    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, scaled_hidden=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
         ``row_factor`` r [rows] the factored G = diag(r) E' (E' in ``grad_logits``), whose row
-        factors ``backend.scale_rows`` applies on the products' small side."""
+        factors ``backend.scale_rows`` applies on the products' small side (``scaled_hidden``:
+        diag(r) hidden_c, when already made)."""
         self.computed = end
         if self.grad_hidden is not None:
             in_place = self.row_order is None or end <= self.row_order.in_place
@@ -214,8 +215,8 @@ class _Gradients:
                 self.pending.append((self.shard.start_all_reduce(block), block, rows))
         if self.grad_weight is not None:
             # G^T H = E'^T (diag(r) H): the row factors ride on the chunk's hidden rows.
-            rhs = hidden_c
-            if row_factor is not None:
+            rhs = hidden_c if scaled_hidden is None else scaled_hidden
+            if row_factor is not None and scaled_hidden is None:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
             self._add_weight_chunk(grad_logits.to(hidden_c.dtype).t(), rhs)
@@ -402,10 +403,14 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     merge_once = shard is not None and not training
     chunk_stats = []
 
-    def finish(stats, start, end):  # the per-row results of rows [start, end)
-        out = RowResults(*(None if t is None else t[start:end] for t in (
+    def results_of(start, end):  # the per-row results of rows [start, end)
+        return RowResults(*(None if t is None else t[start:end] for t in (
             results.lse, results.loss, results.correct, results.entropy, results.prediction)))
-        backend.finalize(stats, targets[start:end], opts, vocab_size, out, return_metrics=return_metrics)
+
+    def finish(stats, start, end, out=None):  # finalized by the backend unless ``out`` is given
+        if out is None:
+            out = results_of(start, end)
+            backend.finalize(stats, targets[start:end], opts, vocab_size, out, return_metrics=return_metrics)
         if return_metrics:
             out.prediction.copy_(torch.where(targets[start:end] != opts.ignore_index, stats.argmax, -1))
         if row_weight is not None:
@@ -419,6 +424,15 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         targets_c = slice_targets[start:end]
         stored = buffer[: end - start] if training else None
         loss_grad_c = loss_grad[start:end] if training else None
+        if factored and shard is None:  # statistics, results and the gradient's factors in one pass
+            out = results_of(start, end)
+            scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
+                             if gradients.grad_weight is not None else None)
+            stats, row_factor = backend.factored_chunk(hidden_c, weight, targets_c, opts, stored, loss_grad_c, out,
+                                                       scaled_hidden, return_metrics=return_metrics)
+            finish(stats, start, end, out)
+            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, scaled_hidden)
+            continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
         row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
