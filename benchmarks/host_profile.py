@@ -154,6 +154,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rep-ms", type=int, default=1000)
     parser.add_argument("--sustained-s", type=float, default=0.0)
+    parser.add_argument("--sustained-methods", default="fused-linear-ce,torch.compile")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cprofile", default=None)
     args = parser.parse_args()
@@ -169,7 +170,7 @@ def main():
               f"do_bench {q[0]:.2f}/{q[1]:.2f}/{q[2]:.2f}")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in r["calls_ms"].items()))
         if args.sustained_s > 0:
-            r["sustained"] = [sustained(flce, m, row, args.sustained_s) for m in ("fused-linear-ce", "torch.compile")]
+            r["sustained"] = [sustained(flce, m, row, args.sustained_s) for m in args.sustained_methods.split(",")]
             for s in r["sustained"]:
                 print(f"   sustained {s['method']}: {s['ms']:.2f} ms a step, SM {s['sm_clock_mhz_median']:.0f} MHz "
                       f"(min {s['sm_clock_mhz_min']:.0f}), {s['power_w_median']:.0f} W, throttle "
