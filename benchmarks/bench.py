@@ -9,7 +9,11 @@ cut-cross-entropy's linear_cross_entropy (default, and filter_eps=None).
 For each shape, input kind and method: forward time under no_grad, training-step time
 (forward + backward, grads for hidden and weight), peak extra memory of one step and of
 one forward, and the relative errors of loss, grad_hidden and grad_weight against a
-float32 reference on the same inputs. Times are medians of triton.testing.do_bench.
+float32 reference on the same inputs. Times are medians of triton.testing.do_bench after
+``--warmup-ms`` of warm-up: these steps hold an H200 at its power limit (700 W, the SM clock
+near 1.5 GHz instead of 1.98), which takes about a second of back-to-back steps to reach; a
+training loop runs there, so the times are taken there. nvidia-smi's SM clock, power and
+throttle reasons during each step timing are recorded with it.
 
     python benchmarks/bench.py --out results.json [--rows gemma2,llama3] [--methods ...]
 """
@@ -173,8 +177,45 @@ def rel_err(x, ref):
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
-def measure(fn, hidden, weight, targets, ref, rep_ms):
-    """fwd ms, step ms, peak MiB of a step and of a forward, and errors for one method."""
+class GpuSampler:
+    """nvidia-smi's SM clock (MHz), power (W) and throttle reasons, sampled every ``period_ms``
+    while the ``with`` block runs: ``summary()`` gives their medians, minimum clock and reasons."""
+
+    def __init__(self, period_ms: int = 100):
+        self.query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                      "--format=csv,noheader,nounits", "-lms", str(period_ms), "-i", str(torch.cuda.current_device())]
+        self.samples = []
+
+    def __enter__(self):
+        try:
+            self.process = subprocess.Popen(self.query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.process = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.terminate()
+            for line in self.process.communicate()[0].splitlines():
+                parts = [x.strip() for x in line.split(",")]
+                if len(parts) == 3:
+                    try:
+                        self.samples.append((float(parts[0]), float(parts[1]), parts[2]))
+                    except ValueError:
+                        pass
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks = sorted(s[0] for s in self.samples)
+        power = sorted(s[1] for s in self.samples)
+        return {"sm_clock_mhz": clocks[len(clocks) // 2], "sm_clock_mhz_min": clocks[0],
+                "power_w": power[len(power) // 2], "throttle_reasons": sorted({s[2] for s in self.samples})}
+
+
+def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
+    """fwd ms, step ms (and the GPU's clock and power meanwhile), peak MiB of a step and of a
+    forward, and errors for one method."""
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
 
@@ -190,8 +231,10 @@ def measure(fn, hidden, weight, targets, ref, rep_ms):
     fwd()
     torch.cuda.synchronize()
     out = {}
-    for name, f in (("fwd_ms", fwd), ("step_ms", step)):
-        out[name] = do_bench(f, warmup=100, rep=rep_ms, return_mode="median")
+    out["fwd_ms"] = do_bench(fwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    with GpuSampler() as sampler:
+        out["step_ms"] = do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    out["step_gpu"] = sampler.summary()
     # peak extra memory of one step / forward, above what is allocated before it
     for name, f in (("step_peak_mib", step), ("fwd_peak_mib", fwd)):
         h.grad = w.grad = None
@@ -272,7 +315,9 @@ def main():
     parser.add_argument("--inputs", default="lm,uniform", help="lm, uniform or both")
     parser.add_argument("--uniform-rows", default="gemma2,llama3,qwen25,llama2",
                         help="rows that also run uniform inputs when --inputs has them (the main heads)")
-    parser.add_argument("--rep-ms", type=float, default=400)
+    parser.add_argument("--rep-ms", type=float, default=1000)
+    parser.add_argument("--warmup-ms", type=float, default=1000,
+                        help="warm-up before each timing: long enough for the GPU to settle at its power limit")
     parser.add_argument("--errors-rows", default="gemma2,llama3,qwen25,llama2,llama2-fp32,llama2-fp16",
                         help="rows whose errors against the fp32 reference are measured")
     parser.add_argument("--anatomy-rows", default="",
@@ -311,7 +356,7 @@ def main():
             for name, fn in methods:
                 t0 = time.time()
                 try:
-                    out = measure(fn, hidden, weight, targets, ref, args.rep_ms)
+                    out = measure(fn, hidden, weight, targets, ref, args.rep_ms, args.warmup_ms)
                     if row in args.anatomy_rows.split(",") and name in ANATOMY_METHODS:
                         out["anatomy"] = anatomy(fn, hidden, weight, targets)
                 except torch.OutOfMemoryError as e:

@@ -24,7 +24,6 @@ import functools
 import io
 import json
 import pstats
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -34,7 +33,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROWS, environment, load_flce, make_inputs, make_method  # noqa: E402
+from bench import ROWS, GpuSampler, environment, load_flce, make_inputs, make_method  # noqa: E402
 from explore import kernel_breakdown  # noqa: E402
 
 BACKEND_CALLS = ("order_rows", "row_reference", "row_stats", "finalize", "row_factors", "scale_rows",
@@ -124,27 +123,15 @@ def sustained(flce, method: str, row: str, seconds: float) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-             "--format=csv,noheader,nounits", "-lms", "200", "-i", str(torch.cuda.current_device())]
-    sampler = subprocess.Popen(query, stdout=subprocess.PIPE, text=True)
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        step()
-        steps += 1
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps * 1e3
-    sampler.terminate()
-    samples = []
-    for line in sampler.communicate()[0].splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 3:
-            samples.append(parts)
+    with GpuSampler() as sampler:
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            step()
+            steps += 1
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e3
     hot = kernel_breakdown(step)
-    clocks = sorted(float(p[0]) for p in samples) or [0.0]
-    power = sorted(float(p[1]) for p in samples) or [0.0]
-    return {"method": method, "row": row, "steps": steps, "ms": wall,
-            "sm_clock_mhz_median": clocks[len(clocks) // 2], "sm_clock_mhz_min": clocks[0],
-            "power_w_median": power[len(power) // 2], "throttle_reasons": sorted({p[2] for p in samples}),
+    return {"method": method, "row": row, "steps": steps, "ms": wall, **sampler.summary(),
             "hot_span_ms": hot["span_ms"], "hot_busy_ms": hot["busy_ms"]}
 
 
@@ -172,8 +159,8 @@ def main():
         if args.sustained_s > 0:
             r["sustained"] = [sustained(flce, m, row, args.sustained_s) for m in args.sustained_methods.split(",")]
             for s in r["sustained"]:
-                print(f"   sustained {s['method']}: {s['ms']:.2f} ms a step, SM {s['sm_clock_mhz_median']:.0f} MHz "
-                      f"(min {s['sm_clock_mhz_min']:.0f}), {s['power_w_median']:.0f} W, throttle "
+                print(f"   sustained {s['method']}: {s['ms']:.2f} ms a step, SM {s['sm_clock_mhz']:.0f} MHz "
+                      f"(min {s['sm_clock_mhz_min']:.0f}), {s['power_w']:.0f} W, throttle "
                       f"{s['throttle_reasons']}; then busy {s['hot_busy_ms']:.2f} of span {s['hot_span_ms']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"environment": environment(), "results": results}, indent=1))
