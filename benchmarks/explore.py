@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROWS, load_flce, make_inputs, reference, rel_err  # noqa: E402
 
 
-def step_and_fwd(flce, hidden, weight, targets, rep_ms):
+def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=False):
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
 
@@ -29,10 +29,12 @@ def step_and_fwd(flce, hidden, weight, targets, rep_ms):
         with torch.no_grad():
             flce.fused_linear_cross_entropy(h, w, targets)
 
-    step()
     fwd()
-    return do_bench(fwd, warmup=100, rep=rep_ms, return_mode="median"), \
-        do_bench(step, warmup=100, rep=rep_ms, return_mode="median"), step, (h, w)
+    fwd_ms = do_bench(fwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    if fwd_only:
+        return fwd_ms, None, step, (h, w)
+    step()
+    return fwd_ms, do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"), step, (h, w)
 
 
 def step_extra_mib(step, tensors) -> float:
@@ -149,11 +151,18 @@ def time_gemms(hidden_size, vocab_size, rows_list, dtype=torch.bfloat16):
     return out
 
 
+class _Done(Exception):
+    """A variant's record is complete (forward-only runs)."""
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="llama3,gemma2")
     parser.add_argument("--variants", default="BLOCK_V=256,TMA=1;BLOCK_V=256,TMA=0;BLOCK_V=128,TMA=1")
     parser.add_argument("--rep-ms", type=float, default=300)
+    parser.add_argument("--warmup-ms", type=float, default=100,
+                        help="1000: time at the clock the GPU settles to under its power limit")
+    parser.add_argument("--fwd-only", action="store_true", help="forward timings only (variants for the sweep)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel ms of a step, busy and span")
     parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
@@ -179,7 +188,11 @@ def main():
             for k, v in env.items():
                 os.environ[f"FLCE_{k}"] = v
             try:
-                fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms)
+                fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,
+                                                             args.warmup_ms, args.fwd_only)
+                if args.fwd_only:
+                    rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9}
+                    raise _Done
                 h.grad = w.grad = None
                 loss = flce.fused_linear_cross_entropy(h, w, targets)
                 loss.backward()
@@ -209,6 +222,8 @@ def main():
                         torch.cuda.synchronize()
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
                     print(table, flush=True)
+            except _Done:
+                pass
             except Exception as e:  # a variant that fails to compile is a result
                 rec = {"row": row, "variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
             for k in env:

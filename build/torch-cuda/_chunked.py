@@ -194,8 +194,8 @@ class _Gradients:
     def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, scaled_hidden=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
         ``row_factor`` r [rows] the factored G = diag(r) E' (E' in ``grad_logits``), whose row
-        factors ``backend.scale_rows`` applies on the products' small side (``scaled_hidden``:
-        diag(r) hidden_c, when already made)."""
+        factors ``backend.scale_rows`` applies on the products' small side. ``scaled_hidden``:
+        diag(r) hidden_c, when already made (``hidden_c`` may be None then)."""
         self.computed = end
         if self.grad_hidden is not None:
             in_place = self.row_order is None or end <= self.row_order.in_place
@@ -203,7 +203,7 @@ class _Gradients:
             # Gathered rows go straight to their places, unless they are all-reduced first.
             block = self.grad_hidden[start:end] if in_place else None
             if block is None and self.shard is not None:
-                block = self.grad_hidden.new_empty(hidden_c.shape)
+                block = self.grad_hidden.new_empty((end - start, self.grad_hidden.shape[1]))
             if row_factor is not None:
                 backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
                                    self.grad_hidden if block is None else block, None if block is not None else rows)
@@ -219,7 +219,7 @@ class _Gradients:
             if row_factor is not None and scaled_hidden is None:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
-            self._add_weight_chunk(grad_logits.to(hidden_c.dtype).t(), rhs)
+            self._add_weight_chunk(grad_logits.to(rhs.dtype).t(), rhs)
 
     def _add_weight_chunk(self, lhs, rhs):
         """grad_weight += lhs @ rhs. A 16-bit running sum is rounded once a chunk, so that its
@@ -431,7 +431,11 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             stats, row_factor = backend.factored_chunk(hidden_c, weight, targets_c, opts, stored, loss_grad_c, out,
                                                        scaled_hidden, return_metrics=return_metrics)
             finish(stats, start, end, out)
+            # What the products need of the chunk's hidden rows is in scaled_hidden now: the
+            # gathered copy goes before grad_hidden's fp32 block comes (the chunk's peak).
+            hidden_c = None
             gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, scaled_hidden)
+            scaled_hidden = None
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
         row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)

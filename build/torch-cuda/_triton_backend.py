@@ -77,9 +77,9 @@ def _logit_kernel(block_v: int, element_size: int):
     if interpreting():
         return K._logit_tile_kernel, {"BLOCK_N": env_int("FLCE_BLOCK_N", 16), "BLOCK_K": env_int("FLCE_BLOCK_K", 16),
                                       "PERSISTENT": env_int("FLCE_PERSISTENT", 0) == 1}
-    forced = os.environ.get("FLCE_CONFIG")  # "BLOCK_N,BLOCK_K,warps,stages,persistent", for exploration
+    forced = os.environ.get("FLCE_CONFIG")  # "BLOCK_N,BLOCK_K,warps,stages,persistent" (or ':'), exploration
     if forced:
-        block_n, block_k, warps, stages, persistent = (int(x) for x in forced.split(","))
+        block_n, block_k, warps, stages, persistent = (int(x) for x in forced.replace(":", ",").split(","))
         return K._logit_tile_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": bool(persistent),
                                       "num_warps": warps, "num_stages": stages}
     configs = logit_tile_configs(block_v, element_size)
@@ -369,7 +369,7 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
                                                           loss_grad, None, target_logit, return_metrics)
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
     row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
-    block_r = 16
+    block_r = 8  # more programs for the hidden rows' scaling, a pass bound by memory
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets, loss_grad, buffer,
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
