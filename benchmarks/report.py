@@ -535,7 +535,9 @@ def main():
     parts += ["", "## Distance to the matmul floor (lm inputs)", "",
               "A training step does 6·N·V·H useful flops (logits, grad_hidden, grad_weight); at the bf16 matmul "
               "rate measured in the same run (an 8192³ product) they take the first column's time. The share "
-              "in brackets is that time over the step's.", "", floor_table(latest, MAIN_ROWS)]
+              "in brackets is that time over the step's. The v5 runs timed that product after 100 ms of "
+              "warm-up, at a higher clock than their power-limited steps (which puts steps past 100%); "
+              "later runs time it after the methods' warm-up.", "", floor_table(latest, MAIN_ROWS)]
     if any("anatomy" in r for r in latest.values()):
         parts += ["", "## Step anatomy (lm inputs)", "",
                   "Three training steps issued back to back under `torch.profiler` (`bench.py --anatomy-rows`): "
