@@ -151,10 +151,6 @@ def time_gemms(hidden_size, vocab_size, rows_list, dtype=torch.bfloat16):
     return out
 
 
-class _Done(Exception):
-    """A variant's record is complete (forward-only runs)."""
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="llama3,gemma2")
@@ -190,40 +186,10 @@ def main():
             try:
                 fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,
                                                              args.warmup_ms, args.fwd_only)
-                if args.fwd_only:
-                    rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9}
-                    raise _Done
-                h.grad = w.grad = None
-                loss = flce.fused_linear_cross_entropy(h, w, targets)
-                loss.backward()
-                loop_ms = back_to_back_ms(step)
-                extra_mib = step_extra_mib(step, (h, w))
-                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "step_ms": step_ms, "loop_ms": loop_ms,
-                       "step_extra_mib": extra_mib,
-                       "fwd_tflops": flops / fwd_ms / 1e9, "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
-                       "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
-                       "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}
-                if args.breakdown:
-                    rec["breakdown"] = kernel_breakdown(step)
-                if args.trace and args.out and variant == args.variants.split(";")[0]:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                        for _ in range(2):
-                            step()
-                        torch.cuda.synchronize()
-                    prof.export_chrome_trace(str(Path(args.out).with_name(f"trace_{row}.json")))
-                if args.profile:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        for _ in range(3):
-                            step()
-                        torch.cuda.synchronize()
-                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-                    print(table, flush=True)
-            except _Done:
-                pass
+                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9}
+                if step_ms is not None:
+                    trace = bool(args.trace and args.out) and variant == args.variants.split(";")[0]
+                    rec.update(measure_step(flce, step, (h, w), targets, ref, step_ms, flops, args, row, trace))
             except Exception as e:  # a variant that fails to compile is a result
                 rec = {"row": row, "variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
             for k in env:
@@ -238,6 +204,38 @@ def main():
             records.append(rec)
             if args.out:
                 Path(args.out).write_text(json.dumps(records, indent=1))
+
+
+def measure_step(flce, step, tensors, targets, ref, step_ms, flops, args, row, trace) -> dict:
+    """A variant's training-step numbers: back-to-back time, extra memory, errors, and the
+    profiles that ``args`` ask for (the chrome trace where ``trace``)."""
+    h, w = tensors
+    h.grad = w.grad = None
+    loss = flce.fused_linear_cross_entropy(h, w, targets)
+    loss.backward()
+    rec = {"step_ms": step_ms, "loop_ms": back_to_back_ms(step), "step_extra_mib": step_extra_mib(step, (h, w)),
+           "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
+           "loss_err": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
+           "grad_hidden_err": rel_err(h.grad, ref[1]), "grad_weight_err": rel_err(w.grad, ref[2])}
+    if args.breakdown:
+        rec["breakdown"] = kernel_breakdown(step)
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(Path(args.out).with_name(f"trace_{row}.json")))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+    return rec
 
 
 if __name__ == "__main__":

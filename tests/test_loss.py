@@ -331,12 +331,17 @@ def test_strided_bias(flce):
 
 # ---- which inputs require grad ------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("wanted", ["hidden", "weight", "bias", "hidden+bias"])
-def test_only_some_inputs_require_grad(flce, wanted, reduction):
-    """E.g. a frozen lm_head (only hidden), or a frozen trunk (only weight)."""
-    hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=12, bias=True, requires_grad=False)
+@pytest.mark.parametrize("wanted, with_bias", [("hidden", True), ("weight", True), ("bias", True), ("hidden+bias", True),
+                                               ("hidden", False), ("weight", False)])
+def test_only_some_inputs_require_grad(flce, monkeypatch, wanted, with_bias, reduction):
+    """E.g. a frozen lm_head (only hidden), or a frozen trunk (only weight); without a bias, mean
+    takes the factored gradient, here over chunks with ignored rows skipped (gathered rows)."""
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    hidden, weight, targets, bias = make_inputs(37, H, V, torch.float32, seed=12, bias=with_bias, ignore=0.3,
+                                                requires_grad=False)
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        t.requires_grad_(name in wanted.split("+"))
+        if t is not None:
+            t.requires_grad_(name in wanted.split("+"))
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction)
     grad_output = grad_output_for(loss, 0.8)
     (loss * grad_output).sum().backward()
