@@ -177,13 +177,24 @@ def rel_err(x, ref):
     return ((x.float() - ref).norm() / ref.norm()).item()
 
 
+def _pci_bus_id() -> str | None:
+    """The current CUDA device's PCI bus id as NVML and nvidia-smi write it, where
+    CUDA_VISIBLE_DEVICES renumbers the GPUs for CUDA (NVML numbers them all); else None, and
+    CUDA's index is NVML's."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if "CUDA_VISIBLE_DEVICES" not in os.environ or not hasattr(props, "pci_bus_id"):
+        return None
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
 class GpuSampler:
     """nvidia-smi's SM clock (MHz), power (W) and throttle reasons, sampled every ``period_ms``
     while the ``with`` block runs: ``summary()`` gives their medians, minimum clock and reasons."""
 
     def __init__(self, period_ms: int = 100):
         self.query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-                      "--format=csv,noheader,nounits", "-lms", str(period_ms), "-i", str(torch.cuda.current_device())]
+                      "--format=csv,noheader,nounits", "-lms", str(period_ms),
+                      "-i", _pci_bus_id() or str(torch.cuda.current_device())]
         self.samples = []
 
     def __enter__(self):
@@ -213,6 +224,37 @@ class GpuSampler:
                 "power_w": power[len(power) // 2], "throttle_reasons": sorted({s[2] for s in self.samples})}
 
 
+def energy_counter():
+    """A function giving the GPU's energy used since the driver loaded, in joules (NVML's counter,
+    through nvidia-ml-py), or None where NVML or the counter is not there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        bus_id = _pci_bus_id()
+        handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus_id) if bus_id
+                  else pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
+
+
+def joules_per_step(step, step_ms: float, seconds: float = 0.5) -> float | None:
+    """The GPU's energy a step over about ``seconds`` of back-to-back steps (the power limit holds a
+    step's time at its energy over the limit, so this is what a faster step must spend less of)."""
+    read = energy_counter()
+    if read is None:
+        return None
+    steps = max(3, int(seconds * 1e3 / max(step_ms, 1e-3)))
+    torch.cuda.synchronize()
+    start = read()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (read() - start) / steps
+
+
 def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
     """fwd ms, step ms (and the GPU's clock and power meanwhile), peak MiB of a step and of a
     forward, and errors for one method."""
@@ -235,6 +277,7 @@ def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
     with GpuSampler() as sampler:
         out["step_ms"] = do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     out["step_gpu"] = sampler.summary()
+    out["step_joules"] = joules_per_step(step, out["step_ms"])
     # peak extra memory of one step / forward, above what is allocated before it
     for name, f in (("step_peak_mib", step), ("fwd_peak_mib", fwd)):
         h.grad = w.grad = None
