@@ -76,13 +76,18 @@ def test_chunk_rows_without_spread_is_the_largest_chunk(flce, monkeypatch):
 
 
 def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce, monkeypatch):
-    """Its logits (V x 2 bytes a row), gathered hidden rows (H x 2) and fp32 grad_hidden block
-    (H x 4) within 2048 rows of logits: Llama-2's head (4096, 32000) takes 1408 rows
-    (1408 x 88576 bytes <= 2048 x 64000 < 1536 x 88576), a large vocabulary the 1536 cap."""
+    """Its logits (V x 2 bytes a row) and the hidden-sized blocks beside them (H x 4 bytes a row:
+    the gathered rows and their scaled copy, or the fp32 grad_hidden block) within 2048 rows of
+    logits: Llama-2's head (4096, 32000) takes 1536 rows (1536 x 80384 bytes <= 2048 x 64000 <
+    1664 x 80384), a large vocabulary the 1536 cap. Under a two-way vocabulary split the gathered
+    rows stay beside the fp32 block (H x 6 bytes a row): a rank's slice of Llama-2's head
+    (16000 columns, 32000 bytes a row) takes 2 x 2048 x 32000 // (32000 + 24576) = 2316, so 2304
+    rows (the same 2048 rows' worth of the slice's logits)."""
     monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
     monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
     backend = submodule(flce, "_triton_backend")
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1408
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
+    assert backend.chunk_rows(8192, 16000, torch.bfloat16, True, 2, spread=False, hidden_size=4096) == 2304
     assert backend.chunk_rows(8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
     # Gemma-2's (2304, 256000): the 768 MiB buffer allows 1572 rows, so 1536
     assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536

@@ -331,8 +331,8 @@ def test_strided_bias(flce):
 
 # ---- which inputs require grad ------------------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("wanted, with_bias", [("hidden", True), ("weight", True), ("bias", True), ("hidden+bias", True),
-                                               ("hidden", False), ("weight", False)])
+@pytest.mark.parametrize("wanted, with_bias", [("hidden", True), ("weight", True), ("bias", True),
+                                               ("hidden+bias", True), ("hidden", False), ("weight", False)])
 def test_only_some_inputs_require_grad(flce, monkeypatch, wanted, with_bias, reduction):
     """E.g. a frozen lm_head (only hidden), or a frozen trunk (only weight); without a bias, mean
     takes the factored gradient, here over chunks with ignored rows skipped (gathered rows)."""

@@ -192,35 +192,44 @@ class _Gradients:
         self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if hidden.element_size() < 4 else None
         self.weight_sum = None
 
-    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, scaled_hidden=None):
+    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
         ``row_factor`` r [rows] the factored G = diag(r) E' (E' in ``grad_logits``), whose row
-        factors ``backend.scale_rows`` applies on the products' small side. ``scaled_hidden``:
-        diag(r) hidden_c, when already made (``hidden_c`` may be None then)."""
-        self.computed = end
-        if self.grad_hidden is not None:
-            in_place = self.row_order is None or end <= self.row_order.in_place
-            rows = None if in_place else self.row_order.order[start:end]
-            # Gathered rows go straight to their places, unless they are all-reduced first.
-            block = self.grad_hidden[start:end] if in_place else None
-            if block is None and self.shard is not None:
-                block = self.grad_hidden.new_empty((end - start, self.grad_hidden.shape[1]))
-            if row_factor is not None:
-                backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
-                                   self.grad_hidden if block is None else block, None if block is not None else rows)
-            elif block is not None:
-                torch.mm(grad_logits.to(weight.dtype), weight, out=block)
-            else:
-                self.grad_hidden.index_copy_(0, rows, torch.mm(grad_logits.to(weight.dtype), weight))
-            if self.shard is not None:
-                self.pending.append((self.shard.start_all_reduce(block), block, rows))
+        factors ``backend.scale_rows`` applies on the products' small side."""
+        self.add_hidden_grad(start, end, grad_logits, weight, row_factor, backend)
         if self.grad_weight is not None:
             # G^T H = E'^T (diag(r) H): the row factors ride on the chunk's hidden rows.
-            rhs = hidden_c if scaled_hidden is None else scaled_hidden
-            if row_factor is not None and scaled_hidden is None:
+            rhs = hidden_c
+            if row_factor is not None:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
-            self._add_weight_chunk(grad_logits.to(rhs.dtype).t(), rhs)
+            self.add_weight_grad(grad_logits, rhs)
+
+    def add_hidden_grad(self, start, end, grad_logits, weight, row_factor=None, backend=None):
+        """grad_hidden of the chunk [start, end) of the computed rows (see ``add``)."""
+        self.computed = end
+        if self.grad_hidden is None:
+            return
+        in_place = self.row_order is None or end <= self.row_order.in_place
+        rows = None if in_place else self.row_order.order[start:end]
+        # Gathered rows go straight to their places, unless they are all-reduced first.
+        block = self.grad_hidden[start:end] if in_place else None
+        if block is None and self.shard is not None:
+            block = self.grad_hidden.new_empty((end - start, self.grad_hidden.shape[1]))
+        if row_factor is not None:
+            backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
+                               self.grad_hidden if block is None else block, None if block is not None else rows)
+        elif block is not None:
+            torch.mm(grad_logits.to(weight.dtype), weight, out=block)
+        else:
+            self.grad_hidden.index_copy_(0, rows, torch.mm(grad_logits.to(weight.dtype), weight))
+        if self.shard is not None:
+            self.pending.append((self.shard.start_all_reduce(block), block, rows))
+
+    def add_weight_grad(self, grad_logits, rhs):
+        """grad_weight += grad_logits^T @ rhs for a chunk: its G (or E') [rows, V] and hidden rows
+        (or diag(r) hidden) [rows, H]."""
+        self._add_weight_chunk(grad_logits.to(rhs.dtype).t(), rhs)
 
     def _add_weight_chunk(self, lhs, rhs):
         """grad_weight += lhs @ rhs. A 16-bit running sum is rounded once a chunk, so that its
@@ -432,11 +441,15 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             stats, row_factor = backend.factored_chunk(hidden_c, weight, targets_c, opts, stored, loss_grad_c, out,
                                                        scaled_hidden, return_metrics=return_metrics)
             finish(stats, start, end, out)
-            # What the products need of the chunk's hidden rows is in scaled_hidden now: the
-            # gathered copy goes before grad_hidden's fp32 block comes (the chunk's peak).
+            # What the products need of the chunk's hidden rows is in scaled_hidden now, and
+            # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
+            # before grad_hidden's fp32 block comes (chunk_rows counts H x 4 bytes a row beside
+            # the buffer).
             hidden_c = None
-            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, scaled_hidden)
-            scaled_hidden = None
+            if scaled_hidden is not None:
+                gradients.add_weight_grad(stored, scaled_hidden)
+                scaled_hidden = None
+            gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend)
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
         row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)

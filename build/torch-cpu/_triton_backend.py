@@ -104,8 +104,11 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
                spread: bool = True, hidden_size: int = 0) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
-    set (that buffer, its gathered hidden rows and their fp32 grad_hidden block) within a
-    quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows); the forward
+    set within a quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows):
+    the buffer and the hidden-sized blocks alive beside it at any time, H x max(4, 2 x element
+    size) bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone,
+    then the fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
+    grad_weight's product, beside that block: H x (element size + 4)); the forward
     alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
     ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
     last chunk runs at a loss; without it (the rows to compute are not known yet) the
@@ -115,7 +118,8 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         element_size = torch.finfo(dtype).bits // 8
         logit_row = vocab_size * element_size
         by_budget = max(128, budget // logit_row // 128 * 128)
-        by_share = max(128, 2048 * shards * logit_row // (logit_row + hidden_size * (element_size + 4)) // 128 * 128)
+        beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
+        by_share = max(128, 2048 * shards * logit_row // (logit_row + beside) // 128 * 128)
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
