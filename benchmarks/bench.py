@@ -160,8 +160,8 @@ def reference(hidden, weight, targets, dtype=torch.float64, rows=2048):
     errors compared are the methods' own, also at fp32-rounding level), chunked over rows."""
     w = weight.to(dtype).requires_grad_()
     n_valid = (targets != -100).sum()
-    loss = torch.zeros((), device="cuda", dtype=dtype)
-    grad_h = torch.empty(hidden.shape, device="cuda", dtype=dtype)
+    loss = torch.zeros((), device=hidden.device, dtype=dtype)
+    grad_h = torch.empty(hidden.shape, device=hidden.device, dtype=dtype)
     for start in range(0, hidden.shape[0], rows):
         h = hidden[start:start + rows].to(dtype).requires_grad_()
         part = F.cross_entropy(h @ w.T, targets[start:start + rows], ignore_index=-100, reduction="sum") / n_valid
