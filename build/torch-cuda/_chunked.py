@@ -13,8 +13,8 @@ its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chu
 whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
 buffer keeps exponentials and G = diag(r) E' is never formed: the row factors r go on the
 products' small side (see ``_kernels``); on an unsharded weight ``factored_chunk`` does the
-chunk's sweep, finalize and row factors in one call. Otherwise it keeps logits relative to their tile max,
-turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
+chunk's sweep, finalize and row factors in one call. Otherwise it keeps logits relative to
+their tile max, turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
 the backward scales them by the real grad_output.
 
 Backward of reduction "none" (a gradient per row, unknown in the forward) or of a returned
