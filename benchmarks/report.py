@@ -96,8 +96,13 @@ ELEMENT_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def table(latest, rows, inputs):
+    """The main table of ``rows``; with a "step J" column (the GPU's energy a step, from NVML) where
+    any of its results recorded one."""
+    energy = any(latest.get((row, inputs, m), {}).get("step_joules") is not None
+                 for row in rows for m in methods_in(latest))
+    extra = " step J |" if energy else ""
     lines = ["| head (H, V), N | method | fwd ms | step ms | step peak MiB | peak − grads MiB | "
-             "loss err | grad_h err | grad_w err |", "|---|---|---|---|---|---|---|---|---|"]
+             f"loss err | grad_h err | grad_w err |{extra}", "|---|---|---|---|---|---|---|---|---|" + "---|" * energy]
     for row in rows:
         first = True
         for method in methods_in(latest):
@@ -107,14 +112,15 @@ def table(latest, rows, inputs):
             head = f"{row} ({r['hidden_size']}, {r['vocab_size']}), {r['n_tokens']}, {r['dtype']}" if first else ""
             first = False
             if "error" in r:
-                lines.append(f"| {head} | {method} | {error_cell(r)} | | | | | | |")
+                lines.append(f"| {head} | {method} | {error_cell(r)} | | | | | | |" + " |" * energy)
                 continue
             name = f"**{method}**" if method == OURS else method
+            joules = f" {fmt(r.get('step_joules'), '.2f')} |" if energy else ""
             lines.append(
                 f"| {head} | {name} | {fmt(r['fwd_ms'], '.2f')} | {fmt(r['step_ms'], '.2f')} | "
                 f"{fmt(r['step_peak_mib'], '.0f')} | {fmt(r['step_peak_minus_grads_mib'], '.0f')} | "
                 f"{fmt(r.get('loss_err'), '.1e')} | {fmt(r.get('grad_hidden_err'), '.1e')} | "
-                f"{fmt(r.get('grad_weight_err'), '.1e')} |")
+                f"{fmt(r.get('grad_weight_err'), '.1e')} |{joules}")
     return "\n".join(lines)
 
 

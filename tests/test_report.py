@@ -3,6 +3,7 @@ peer gets its README columns and, when fastest, is named as the fastest peer; a 
 error is shown whole; the driver string stays on one line."""
 
 import importlib.util
+import re
 
 import pytest
 from conftest import ROOT
@@ -45,3 +46,18 @@ def test_runs_list_the_driver_on_one_line(report):
     runs, _ = report.load()
     lines = report.environment(runs).splitlines()
     assert len(lines) == len(runs) and all(line.startswith("- `") for line in lines)
+
+
+def test_the_step_energy_gets_a_column_where_recorded(report):
+    """Runs with NVML's joules a step show them; the other rows keep their cells aligned."""
+    _, latest = report.load()
+    latest = dict(latest)
+    ours = latest[("llama3", "lm", report.OURS)]
+    latest[("llama3", "lm", report.OURS)] = {**ours, "step_joules": 24.875}
+    table = report.table(latest, ["llama3"], "lm").splitlines()
+    assert table[0].endswith("| step J |")
+    ours_row = next(line for line in table if f"**{report.OURS}**" in line)
+    assert ours_row.endswith("| 24.88 |")
+    cells = [len(re.split(r"(?<!\\)\|", line)) for line in table]  # escaped pipes are inside cells
+    assert cells == [cells[0]] * len(cells)
+    assert "step J" not in report.table(report.load()[1], ["llama3"], "lm")
