@@ -39,7 +39,9 @@ def build(layers: int, seq: int, tiny: bool, device: str, dtype: torch.dtype):
     config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max(seq, 64), tie_word_embeddings=False,
                          **sizes)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
+    with torch.device(device):  # initialised where it runs: a CPU init of 1.5e9 weights takes a while
+        model = LlamaForCausalLM(config)
+    return model.to(dtype=dtype).train()
 
 
 def batch(model, n_batch: int, seq: int, device: str) -> dict:
