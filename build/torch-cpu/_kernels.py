@@ -738,6 +738,7 @@ def _factored_rows_kernel(
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
+    # No smoothing in the factored mode: the logit sum's pointers below are stand-ins, never touched.
     row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
         tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_sum_exp_ptr, row_ref,
         offs_r, row_mask, num_tiles,
