@@ -156,8 +156,8 @@ def targets(latest, rows, inputs):
 
         errs = "—" if err_ratio is None else f"{err_ratio:.3f}{mark(err_ratio <= 1.0)}"
         lines.append(
-            f"| {row} | {fmt(step_ratio, '.2f')}{mark(step_ratio and step_ratio <= STEP_TARGET)} | "
-            f"{fmt(fwd_ratio, '.2f')}{mark(fwd_ratio and fwd_ratio >= FORWARD_TARGET)} | "
+            f"| {row} | {fmt(step_ratio, '.3f')}{mark(step_ratio and step_ratio <= STEP_TARGET)} | "
+            f"{fmt(fwd_ratio, '.3f')}{mark(fwd_ratio and fwd_ratio >= FORWARD_TARGET)} | "
             f"{mem_ratio:.0%}{mark(mem_ratio <= 0.25)} | {errs} |")
     return "\n".join(lines)
 
@@ -336,7 +336,7 @@ def summary(latest):
         f"The largest of the loss and gradient "
         f"errors is {_range(errors, '.2f')}× plain PyTorch's (bf16, both kinds of inputs). Against the fastest "
         f"peer in the same run ({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
-        f"{_listing(step, '.2f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.2f', '×')} on "
+        f"{_listing(step, '.3f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.3f', '×')} on "
         f"uniform ones); against the fastest forward ({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the "
         f"forward runs at {_listing(fwd, '.2f', '×')} its speed.")
     fp32 = latest.get(("llama2-fp32", "lm", OURS))

@@ -487,6 +487,36 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     check_grads((hidden, weight, None), ref, dtype)
 
 
+def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch):
+    """With FLCE_TILE_TARGET=1 the factored training step takes each target's logit from the
+    logit kernel's own tile, like its lse, so that the product's rounding cancels in lse - z_t:
+    its loss equals the forward's (which picks the target in the tile too) to fp32 rounding. On a GPU the product
+    runs in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot product
+    would put TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0, the
+    default, does that; test_matches_reference bounds its error)."""
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
+    monkeypatch.setenv("FLCE_TILE_TARGET", "1")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        hidden, weight, targets, _ = make_inputs(48, 256, V, torch.float32, seed=21, ignore=0.2, scale=10.0)
+        with torch.no_grad():
+            forward_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+        training_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")
+        training_loss.backward()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    # The two sweeps may sum the 256 products of a logit in different orders (their own tile
+    # configurations): fp32 rounding, about 2^-24 * 256 * 0.6 (the products' size) a logit and
+    # sqrt(rows) of that over the sum; 6e-4 is ten times that. TF32's error is about a hundred.
+    assert_rel(training_loss, forward_loss, 6e-4 / float(forward_loss.abs()), "training loss")
+    ref = reference(hidden, weight, targets, reduction="sum")
+    # Against the exact loss: TF32 rounds each input to 2^-11 on the GPU (the interpreter's
+    # products are fp32).
+    assert_rel(training_loss, ref.loss, 1e-3 if DEVICE == "cuda" else tolerance(torch.float32, "loss"), "loss")
+
+
 @pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])
 @pytest.mark.parametrize("mean", [True, False])
 def test_order_rows_is_a_stable_partition(flce, backend_name, mean):

@@ -242,6 +242,7 @@ def _logit_tile_kernel(
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the logits and statistics (fp64 for fp64 inputs)
     HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
     EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
+    PICK_TARGET: tl.constexpr = False,  # mode 3: also overwrite target_logit from the tile
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
@@ -250,8 +251,8 @@ def _logit_tile_kernel(
     holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
-    exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
-    target logit to the caller (the reference is that logit). Tile ids put row
+    exponentials taken relative to that reference (see ``_exp_reference``), and with
+    PICK_TARGET overwrites the caller's target logit (the reference's) with the tile's. Tile ids put row
     blocks fastest, so the programs running together share one weight tile in L2 while
     the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
@@ -329,10 +330,14 @@ def _logit_tile_kernel(
                 logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
             if MODE == MODE_STATS_AND_EXP:
-                # The target's logit is the row reference itself (``row_reference``): no pick here.
                 loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
                 tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
-            else:
+            if MODE != MODE_STATS_AND_EXP or PICK_TARGET:
+                # The target's logit from this tile's product, like the lse's terms: the two
+                # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3
+                # has row_reference's exact dot product unless PICK_TARGET: on the tensor cores
+                # that leaves about 1e-5 of the loss (Llama-3 head), against 1e-8 with the pick,
+                # which costs about 4% of a step there (docs/perf-notes.md, runs 26-28).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V

@@ -66,7 +66,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
     "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
-    "HAS_LOGIT_SCALE", "EVEN_V",
+    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET",
 ]
 _autotuned = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_logit_tiles)
@@ -258,6 +258,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         ACC_DTYPE=_acc_dtype(hidden.dtype),
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
+        PICK_TARGET=env_int("FLCE_TILE_TARGET", 0) == 1,  # mode 3: the loss's target logit from the tile
     )
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
