@@ -1,8 +1,9 @@
 """Compiles the logit kernel for Hopper (sm_90) without a GPU: every mode, persistent, with the
 copy engine (TMA), through Triton's own compiler, so that a kernel the interpreter runs but the
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
-``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass)
-with their flags on and off.
+``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
+the tensor-core target logit) with their flags on and off, marked "wgmma" where their PTX has
+Hopper's tensor-core products.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
 
@@ -56,13 +57,14 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
 ROW_POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64", "correct_ptr": "*i32",
-                "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16"}
+                "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16", "weight_ptr": "*bf16"}
 ROW_FLOATS = ("logit_scale", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
     "_finalize_rows_kernel": dict(BLOCK_R=128),
     "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
     "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
+    "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
 }
 
 
@@ -101,7 +103,8 @@ def main() -> int:
         for flags_on in (False, True):
             try:
                 kernel = compile_row_kernel(name, flags_on)
-                print(f"{name} flags={int(flags_on)}: ok {kernel.metadata.shared}")
+                tensor_cores = " wgmma" if "wgmma" in kernel.asm["ptx"] else ""
+                print(f"{name} flags={int(flags_on)}: ok {kernel.metadata.shared}{tensor_cores}")
             except Exception as e:
                 failed += 1
                 print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")

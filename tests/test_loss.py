@@ -487,15 +487,17 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     check_grads((hidden, weight, None), ref, dtype)
 
 
-def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch):
+@pytest.mark.parametrize("tile_target", ["1", "2"])
+def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch, tile_target):
     """With FLCE_TILE_TARGET=1 the factored training step takes each target's logit from the
-    logit kernel's own tile, like its lse, so that the product's rounding cancels in lse - z_t:
-    its loss equals the forward's (which picks the target in the tile too) to fp32 rounding. On a GPU the product
-    runs in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot product
-    would put TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0, the
-    default, does that; test_matches_reference bounds its error)."""
+    logit kernel's own tile, like its lse, and with 2 from a tensor-core product that sums in
+    the same order, so that the product's rounding cancels in lse - z_t: its loss equals the
+    forward's (which picks the target in the tile) to fp32 rounding. On a GPU the products run in
+    TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot product would put
+    TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0, the default, does
+    that; test_matches_reference bounds its error)."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
-    monkeypatch.setenv("FLCE_TILE_TARGET", "1")
+    monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
@@ -515,6 +517,27 @@ def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch):
     # Against the exact loss: TF32 rounds each input to 2^-11 on the GPU (the interpreter's
     # products are fp32).
     assert_rel(training_loss, ref.loss, 1e-3 if DEVICE == "cuda" else tolerance(torch.float32, "loss"), "loss")
+
+
+@pytest.mark.parametrize("tile_target", ["0", "2"])
+def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target):
+    """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
+    (2), against float64: s * h_i . w_t, column 0's where the target is not a column of this
+    weight (an ignored row, a target in another rank's slice), where the target logit is NaN.
+    37 rows: a partial last block of rows; H = 40: a partial K step."""
+    monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+    hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=31, scale=5.0)
+    targets[3], targets[20] = -100, V + 5
+    opts = submodule(flce, "_options").LossOptions(logit_scale=0.5)
+    row_ref, target_logit = submodule(flce, "_triton_backend").row_reference(hidden.detach(), weight.detach(),
+                                                                             targets, opts)
+    local = (targets >= 0) & (targets < V)
+    columns = torch.where(local, targets, 0).cpu()
+    expected = 0.5 * (hidden.detach().cpu().double() * weight.detach().cpu().double()[columns]).sum(1)
+    # fp32 products and sums of 40 terms of size about 5 / sqrt(40) each.
+    torch.testing.assert_close(row_ref.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+    expected_target = torch.where(local.cpu(), expected, float("nan"))
+    torch.testing.assert_close(target_logit.cpu().double(), expected_target, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])

@@ -481,6 +481,14 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
+    if env_int("FLCE_TILE_TARGET", 0) == 2:  # the logit from a tensor-core product, as the tiles'
+        block_r, block_k = (16, 16) if interpreting() else (64, 64)
+        K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
+            hidden, weight, targets, out, target_logit, n_rows, weight.shape[0], hidden_size,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opts.logit_scale),
+            INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+        )
+        return out, target_logit
     # Bound by memory (two rows of H per row): few rows a program and wide loads put enough
     # programs and bytes in flight (16 rows a program ran at a quarter of the bandwidth).
     block_r, block_h = (16, 32) if interpreting() else (4, 512)

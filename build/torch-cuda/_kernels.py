@@ -861,6 +861,55 @@ def _picked_logit_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows"])
+def _picked_logit_dot_kernel(
+    hidden_ptr,  # [n_rows, H]
+    weight_ptr,  # [V, H]
+    targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
+    out_ptr,  # [n_rows] fp32 out: s * hidden_i . weight_c
+    target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
+    n_rows,
+    vocab_size,
+    hidden_size,
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    logit_scale,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores,
+    hidden[rows] @ weight[their columns].T [BLOCK_R, BLOCK_R], whose diagonal holds them. The
+    product adds each logit's H terms in the same order of K steps as the logit kernel's tiles
+    (a wgmma output sums its own terms), so that z_t carries the rounding of the lse's logits and
+    the loss lse - z_t cancels it, where an exact fp32 dot product leaves it (about 1e-5 of the
+    loss on the Llama-3 head). BLOCK_R - 1 of every BLOCK_R products are discarded: 64 / V of
+    the logit kernel's flops."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = offs_r < n_rows
+    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
+    local = (targets >= 0) & (targets < vocab_size)
+    columns = tl.where(local, targets, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    load_r = (offs_r % n_rows).to(tl.int64)  # rows past the end wrap onto valid ones, not stored
+    h_ptrs = hidden_ptr + load_r[:, None] * stride_hn + offs_k[None, :] * stride_hk  # [BLOCK_R, BLOCK_K]
+    w_ptrs = weight_ptr + columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_R]
+    acc = tl.zeros((BLOCK_R, BLOCK_R), tl.float32)
+    for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        k_mask = offs_k < hidden_size - k * BLOCK_K  # zeros past H, as the copy engine fills them
+        h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+        h_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+    on_diagonal = tl.arange(0, BLOCK_R)[:, None] == tl.arange(0, BLOCK_R)[None, :]
+    picked = logit_scale * tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)
+    tl.store(out_ptr + offs_r, picked, mask=row_mask)
+    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
 def _scale_rows_kernel(
     src_ptr,  # [n_rows, n_cols] any float dtype, any strides
     factor_ptr,  # [n_rows] fp32
