@@ -498,7 +498,6 @@ def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch, til
     that; test_matches_reference bounds its error)."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
     monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
