@@ -337,7 +337,7 @@ def _logit_tile_kernel(
                 # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3
                 # has row_reference's exact dot product unless PICK_TARGET: on the tensor cores
                 # that leaves about 1e-5 of the loss (Llama-3 head), against 1e-8 with the pick,
-                # which costs about 4% of a step there (docs/perf-notes.md, runs 26-28).
+                # which costs about 4% of a step there (docs/perf-notes.md, run 29).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V

@@ -258,7 +258,8 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         ACC_DTYPE=_acc_dtype(hidden.dtype),
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
-        PICK_TARGET=env_int("FLCE_TILE_TARGET", 0) == 1,  # mode 3: the loss's target logit from the tile
+        # Mode 3 only (the other modes always pick), so that the knob retunes no other mode.
+        PICK_TARGET=int(mode) == int(K.MODE_STATS_AND_EXP) and env_int("FLCE_TILE_TARGET", 0) == 1,
     )
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
