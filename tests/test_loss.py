@@ -490,11 +490,11 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
 @pytest.mark.parametrize("tile_target", ["1", "2"])
 def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch, tile_target):
     """With FLCE_TILE_TARGET=1 the factored training step takes each target's logit from the
-    logit kernel's own tile, like its lse, and with 2 from a tensor-core product that sums in
-    the same order, so that the product's rounding cancels in lse - z_t: its loss equals the
-    forward's (which picks the target in the tile) to fp32 rounding. On a GPU the products run in
-    TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot product would put
-    TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0, the default, does
+    logit kernel's own tile, like its lse, and with 2 (the default) from a tensor-core product
+    that sums in the same order, so that the product's rounding cancels in lse - z_t: its loss
+    equals the forward's (which picks the target in the tile) to fp32 rounding. On a GPU the
+    products run in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot
+    product would put TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0 does
     that; test_matches_reference bounds its error)."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
     monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
@@ -516,6 +516,54 @@ def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch, til
     # Against the exact loss: TF32 rounds each input to 2^-11 on the GPU (the interpreter's
     # products are fp32).
     assert_rel(training_loss, ref.loss, 1e-3 if DEVICE == "cuda" else tolerance(torch.float32, "loss"), "loss")
+
+
+def test_row_factors_make_the_target_entry_exact(flce):
+    """row_factors on a bf16 buffer of exponentials exp(z - B), B each row's target logit: r E'
+    is s g (p - onehot), with r E'_it exact to fp32 (r takes the target entry's bf16 rounding,
+    so that a small p_t's 1 - 1/p_t, far from 16 bits' grid, costs nothing) and each other entry
+    carrying its exponential's rounding times one factor per row, within a rounding of 1. Built
+    by hand, no product: bf16 runs under the interpreter. Row 5 has no gradient (r = 0); row 9's
+    target is in another rank's slice (no target entry: r = s g exp(B - lse) unchanged)."""
+    backend, options = submodule(flce, "_triton_backend"), submodule(flce, "_options")
+    gen = torch.Generator().manual_seed(41)
+    rows, vocab, block_v, logit_scale = 16, 256, 64, 0.5
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 2.0  # p_t from 1e-5 to 0.1
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[9] = vocab + 3
+    loss_grad = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
+    loss_grad[5] = 0.0
+    local = targets < vocab
+    columns = torch.where(local, targets, 0)
+    row_ref = logits.gather(1, columns[:, None])[:, 0]
+    lse = torch.logsumexp(logits, dim=1)
+    assert bool((logits.amax(1) < row_ref + 40.0).all())  # no row moves to its max: B stays the reference
+    exponentials = torch.exp(logits - row_ref[:, None])
+    buffer = exponentials.to(device=DEVICE, dtype=torch.bfloat16)
+    stored_rounding = buffer.cpu().double() / exponentials  # each entry's bf16 rounding, 1 +- 2^-8
+    f32 = dict(device=DEVICE, dtype=torch.float32)
+    state = type("State", (), dict(tile_max=logits.view(rows, -1, block_v).amax(2).to(**f32), block_v=block_v))()
+    opts = options.LossOptions(logit_scale=logit_scale)
+    row_factor = backend.row_factors(buffer, state, logits.amax(1).to(**f32), row_ref.to(**f32), lse.to(**f32),
+                                     loss_grad.to(**f32), targets.to(DEVICE), opts)
+    grad = row_factor.cpu().double()[:, None] * buffer.cpu().double()
+    onehot = torch.nn.functional.one_hot(columns, vocab) * local[:, None]
+    expected = logit_scale * loss_grad[:, None] * (torch.softmax(logits, dim=1) - onehot)
+    assert torch.equal(grad[5], torch.zeros(vocab, dtype=torch.float64))
+    at_target = local & (loss_grad != 0)
+    # The target entries: fp32's rounding of lse and exp(lse - B) (a few ulps), and of r.
+    torch.testing.assert_close(grad[at_target].gather(1, targets[at_target][:, None]),
+                               expected[at_target].gather(1, targets[at_target][:, None]), rtol=2e-6, atol=0.0)
+    # The others: grad / (expected * rounding) is one factor per row to fp32 (1e-6), the share of
+    # the target's rounding: 1 within bf16's relative rounding, 2^-8 to nearest on a GPU; the
+    # interpreter's conversion truncates, 2^-7. Row 9, without a target here, keeps r (1e-6).
+    share = torch.where(onehot.bool(), float("nan"), grad / (expected * stored_rounding))
+    row_share = share.nanmean(1, keepdim=True)
+    others = ~onehot.bool() & (loss_grad != 0)[:, None]
+    torch.testing.assert_close(share[others], row_share.expand(-1, vocab)[others], rtol=1e-6, atol=0.0)
+    bound = 2.0 ** -8 if DEVICE == "cuda" else 2.0 ** -7
+    assert float((row_share[loss_grad != 0] - 1).abs().max()) <= bound
+    assert abs(float(row_share[9]) - 1) <= 1e-6
 
 
 @pytest.mark.parametrize("tile_target", ["0", "2"])

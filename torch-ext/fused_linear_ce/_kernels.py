@@ -335,9 +335,9 @@ def _logit_tile_kernel(
             if MODE != MODE_STATS_AND_EXP or PICK_TARGET:
                 # The target's logit from this tile's product, like the lse's terms: the two
                 # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3
-                # has row_reference's exact dot product unless PICK_TARGET: on the tensor cores
-                # that leaves about 1e-5 of the loss (Llama-3 head), against 1e-8 with the pick,
-                # which costs about 4% of a step there (docs/perf-notes.md, run 29).
+                # takes row_reference's instead unless PICK_TARGET: by default a tensor-core
+                # product summed in the same order (the same 1e-8 of the loss on the Llama-3
+                # head at no cost, run 30), where this pick costs about 4% of a step (run 29).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V
@@ -656,8 +656,16 @@ def _factor_rows(
     target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
     value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
     value = value - tl.exp(lse - reference)
-    tl.store(target_ptrs, value.to(buffer_ptr.dtype.element_ty), mask=at_target)
-    return factor
+    stored = value.to(buffer_ptr.dtype.element_ty)
+    tl.store(target_ptrs, stored, mask=at_target)
+    # E'_it is about 1 - 1/p_t, far from 16 bits' grid when p_t is small, where PyTorch's p_t - 1
+    # lies next to -1 and rounds almost exactly. Scaling r by value / stored makes r E'_it exact
+    # and moves the rounding, a relative 2^-9 at most, onto the row's other entries, whose sum
+    # (1 - p_t) is the target's and whose sum of squares is at most its square: no larger in
+    # either gradient, and much smaller where the row's mass is spread.
+    stored = stored.to(tl.float32)
+    exact = at_target & (stored != 0.0) & (tl.abs(stored) < float("inf"))  # no 0, inf or NaN
+    return tl.where(exact, factor * (value / tl.where(exact, stored, 1.0)), factor)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -702,7 +710,7 @@ def _factored_rows_kernel(
     tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
     tile_entropy_ptr,  # [n_rows, num_tiles] fp32     (RETURN_METRICS)
     tile_argmax_ptr,  # [n_rows, num_tiles] int32     (RETURN_METRICS)
-    row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``_picked_logit_kernel``)
+    row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``row_reference``)
     target_logit_ptr,  # [n_rows] fp32
     targets_ptr,  # [n_rows] int
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
