@@ -14,7 +14,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROWS, load_flce, make_inputs, reference, rel_err  # noqa: E402
+from bench import ROWS, environment, load_flce, make_inputs, reference, rel_err  # noqa: E402
 
 
 def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=False):
@@ -167,7 +167,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     flce, _ = load_flce()
-    records = []
+    records, env_info = [], environment()
     if args.gemm_rows:
         for row in args.rows.split(","):
             hidden_size, vocab_size, _, _ = ROWS[row]
@@ -197,13 +197,13 @@ def main():
             print(json.dumps(rec), flush=True)
             records.append(rec)
             if args.out:
-                Path(args.out).write_text(json.dumps(records, indent=1))
+                Path(args.out).write_text(json.dumps({"environment": env_info, "records": records}, indent=1))
         for config in filter(None, args.configs.split(";")):
             rec = {"row": row, "config": config, **time_logit_kernel(flce, hidden, weight, targets, config)}
             print(json.dumps(rec), flush=True)
             records.append(rec)
             if args.out:
-                Path(args.out).write_text(json.dumps(records, indent=1))
+                Path(args.out).write_text(json.dumps({"environment": env_info, "records": records}, indent=1))
 
 
 def measure_step(flce, step, tensors, targets, ref, step_ms, flops, args, row, trace) -> dict:
