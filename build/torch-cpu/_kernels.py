@@ -660,7 +660,7 @@ def _factor_rows(
     tl.store(target_ptrs, stored, mask=at_target)
     # E'_it is about 1 - 1/p_t, far from 16 bits' grid when p_t is small, where PyTorch's p_t - 1
     # lies next to -1 and rounds almost exactly. Scaling r by value / stored makes r E'_it exact
-    # and moves the rounding, a relative 2^-9 at most, onto the row's other entries, whose sum
+    # and moves the rounding, a relative 2^-8 at most, onto the row's other entries, whose sum
     # (1 - p_t) is the target's and whose sum of squares is at most its square: no larger in
     # either gradient, and much smaller where the row's mass is spread.
     stored = stored.to(tl.float32)

@@ -1,0 +1,82 @@
+"""Where grad_weight's error comes from, in float64 on a CPU: each 16-bit rounding of the
+factored training step, switched on one at a time, on uniform logits (z ~ N(0, 1), targets
+uniform, as bench.py's "uniform" inputs).
+
+The factored step computes grad_weight = sum over chunks of E'^T (diag(r) H), with E' the
+16-bit exponentials exp(z - z_t) (1 - exp(lse - z_t) at the target) and r = g exp(z_t - lse).
+Its roundings, beside the 16-bit inputs and output that PyTorch shares:
+
+- ``target``: E' at the target rounded to 16 bits, without r taking that rounding (the code
+  before r did; now r E'_it is exact);
+- ``scaled rows``: diag(r) H rounded to 16 bits for the product;
+- ``chunk sums``: the 16-bit grad_weight rounded after each chunk's product is added.
+
+PyTorch's bf16 step rounds the logits to 16 bits, takes the softmax in fp32 and rounds its
+gradient to 16 bits. Errors are relative Frobenius norms against the float64 gradient.
+
+    python benchmarks/rounding_model.py [--rows 4096] [--vocab 65536] [--hidden 256] [--chunks 5]
+"""
+
+import argparse
+import itertools
+
+import torch
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 (to nearest even), back in float64."""
+    return x.to(torch.bfloat16).to(torch.float64)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=65536)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--chunks", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(args.seed)
+    n, v, h_size = args.rows, args.vocab, args.hidden
+    hidden = bf16(torch.randn(n, h_size, generator=gen, dtype=torch.float64))
+    weight = bf16(torch.randn(v, h_size, generator=gen, dtype=torch.float64) / h_size**0.5)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    # A mean over the rows with a loss (bench.py ignores 10%): 1 / count, not a power of two, so
+    # that PyTorch's 16-bit gradient rounds g (p_t - 1) as it does in training.
+    loss_grad = 1.0 / (n - n // 10)
+    onehot = torch.nn.functional.one_hot(targets, v).to(torch.float64)
+
+    logits = hidden @ weight.T
+    exact = (loss_grad * (torch.softmax(logits, 1) - onehot)).T @ hidden
+
+    def rel_err(grad_weight):
+        return float((grad_weight - exact).norm() / exact.norm())
+
+    probs_bf16 = torch.softmax(bf16(logits).float(), 1).double()
+    pytorch = rel_err(bf16(bf16(loss_grad * (probs_bf16 - onehot)).T @ hidden))
+    print(f"PyTorch bf16: {pytorch:.3e}")
+
+    target_logit = logits.gather(1, targets[:, None])
+    lse = torch.logsumexp(logits, 1, keepdim=True)
+    exps = bf16(torch.exp(logits - target_logit))
+    at_target = exps.gather(1, targets[:, None]) - torch.exp(lse - target_logit)
+    stored = bf16(at_target)
+    exps.scatter_(1, targets[:, None], stored)
+    row_factor = loss_grad * torch.exp(target_logit - lse)
+    chunk = -(-n // args.chunks)
+
+    print("target  scaled rows  chunk sums   error    / PyTorch's")
+    for target, scaled_rows, chunk_sums in itertools.product((True, False), repeat=3):
+        factor = row_factor if target else row_factor * at_target / stored
+        grad_weight = torch.zeros(v, h_size, dtype=torch.float64)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            scaled = factor[rows] * hidden[rows]
+            part = exps[rows].T @ (bf16(scaled) if scaled_rows else scaled)
+            grad_weight = bf16(grad_weight + part) if chunk_sums else grad_weight + part
+        err = rel_err(bf16(grad_weight))
+        print(f"{target!s:7} {scaled_rows!s:12} {chunk_sums!s:10} {err:.3e}  {err / pytorch:.2f}")
+
+
+if __name__ == "__main__":
+    main()
