@@ -632,7 +632,8 @@ def _factor_rows(
     A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
     than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
     Then r = s g exp(R - lse), and exp(lse - R) is taken off at the target column, so that
-    r E'_it = s g (p_t - 1). BLOCK_V must be the logit kernel's tile width.
+    r E'_it = s g (p_t - 1); r then takes that entry's 16-bit rounding, so that the product is
+    exact at the target. BLOCK_V must be the logit kernel's tile width.
     """
     offs_r64 = offs_r.to(tl.int64)
     moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
