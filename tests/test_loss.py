@@ -487,17 +487,16 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     check_grads((hidden, weight, None), ref, dtype)
 
 
-@pytest.mark.parametrize("tile_target", ["1", "2"])
-def test_tile_target_makes_the_training_loss_the_forwards(flce, monkeypatch, tile_target):
-    """With FLCE_TILE_TARGET=1 the factored training step takes each target's logit from the
-    logit kernel's own tile, like its lse, and with 2 (the default) from a tensor-core product
-    that sums in the same order, so that the product's rounding cancels in lse - z_t: its loss
-    equals the forward's (which picks the target in the tile) to fp32 rounding. On a GPU the
-    products run in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot
-    product would put TF32's error, about 1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0 does
-    that; test_matches_reference bounds its error)."""
+def test_training_loss_is_the_forwards(flce, monkeypatch):
+    """The factored training step takes each target's logit from a tensor-core product that sums
+    in the logit kernel's order (``row_reference``, FLCE_TILE_TARGET=1, the default), so that
+    the product's rounding cancels in lse - z_t: its loss equals the forward's (which picks the
+    target in the tile) to fp32 rounding. On a GPU the products run in TF32 here (10-bit
+    mantissas), so a target logit from an exact fp32 dot product would put TF32's error, about
+    1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0 does that; test_matches_reference bounds
+    its error)."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
-    monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+    monkeypatch.delenv("FLCE_TILE_TARGET", raising=False)  # the default
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
@@ -566,10 +565,10 @@ def test_row_factors_make_the_target_entry_exact(flce):
     assert abs(float(row_share[9]) - 1) <= 1e-6
 
 
-@pytest.mark.parametrize("tile_target", ["0", "2"])
+@pytest.mark.parametrize("tile_target", ["0", "1"])
 def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target):
     """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
-    (2), against float64: s * h_i . w_t, column 0's where the target is not a column of this
+    (1), against float64: s * h_i . w_t, column 0's where the target is not a column of this
     weight (an ignored row, a target in another rank's slice), where the target logit is NaN.
     37 rows: a partial last block of rows; H = 40: a partial K step."""
     monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)

@@ -242,7 +242,6 @@ def _logit_tile_kernel(
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the logits and statistics (fp64 for fp64 inputs)
     HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
     EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
-    PICK_TARGET: tl.constexpr = False,  # mode 3: also overwrite target_logit from the tile
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
@@ -251,8 +250,8 @@ def _logit_tile_kernel(
     holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
-    exponentials taken relative to that reference (see ``_exp_reference``), and with
-    PICK_TARGET overwrites the caller's target logit (the reference's) with the tile's. Tile ids put row
+    exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
+    target logit to the caller (``row_reference``'s). Tile ids put row
     blocks fastest, so the programs running together share one weight tile in L2 while
     the hidden rows of a chunk stay cached. Without PERSISTENT a program does one tile;
     with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
@@ -332,12 +331,11 @@ def _logit_tile_kernel(
             if MODE == MODE_STATS_AND_EXP:
                 loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
                 tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
-            if MODE != MODE_STATS_AND_EXP or PICK_TARGET:
+            else:
                 # The target's logit from this tile's product, like the lse's terms: the two
                 # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3
-                # takes row_reference's instead unless PICK_TARGET: by default a tensor-core
-                # product summed in the same order (the same 1e-8 of the loss on the Llama-3
-                # head at no cost, run 30), where this pick costs about 4% of a step (run 29).
+                # takes row_reference's, a tensor-core product summed in the same order: the
+                # same loss, where picking here cost about 4% of a step (perf notes, runs 29-30).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V

@@ -66,7 +66,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
     "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
-    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET",
+    "HAS_LOGIT_SCALE", "EVEN_V",
 ]
 _autotuned = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_logit_tiles)
@@ -258,8 +258,6 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         ACC_DTYPE=_acc_dtype(hidden.dtype),
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
-        # Mode 3 only (the other modes always pick), so that the knob retunes no other mode.
-        PICK_TARGET=int(mode) == int(K.MODE_STATS_AND_EXP) and env_int("FLCE_TILE_TARGET", 2) == 1,
     )
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
@@ -482,7 +480,7 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
-    if env_int("FLCE_TILE_TARGET", 2) == 2:  # the logit from a tensor-core product, as the tiles'
+    if env_int("FLCE_TILE_TARGET", 1) != 0:  # the logit from a tensor-core product, as the tiles'
         block_r, block_k = (16, 16) if interpreting() else (64, 64)
         K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
             hidden, weight, targets, out, target_logit, n_rows, weight.shape[0], hidden_size,
