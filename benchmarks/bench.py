@@ -155,16 +155,20 @@ def make_method(name, flce):
     raise ValueError(name)
 
 
-def reference(hidden, weight, targets, dtype=torch.float64, rows=2048):
+def reference(hidden, weight, targets, dtype=torch.float64, rows=2048, softcap=None):
     """Loss and gradients in ``dtype`` (float64: far below every method's error, so that the
-    errors compared are the methods' own, also at fp32-rounding level), chunked over rows."""
+    errors compared are the methods' own, also at fp32-rounding level), chunked over rows; with
+    ``softcap`` c the logits are c tanh(z / c)."""
     w = weight.to(dtype).requires_grad_()
     n_valid = (targets != -100).sum()
     loss = torch.zeros((), device=hidden.device, dtype=dtype)
     grad_h = torch.empty(hidden.shape, device=hidden.device, dtype=dtype)
     for start in range(0, hidden.shape[0], rows):
         h = hidden[start:start + rows].to(dtype).requires_grad_()
-        part = F.cross_entropy(h @ w.T, targets[start:start + rows], ignore_index=-100, reduction="sum") / n_valid
+        logits = h @ w.T
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        part = F.cross_entropy(logits, targets[start:start + rows], ignore_index=-100, reduction="sum") / n_valid
         part.backward()
         grad_h[start:start + rows] = h.grad
         loss += part.detach()

@@ -16,6 +16,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROWS, environment, load_flce, make_inputs, reference, rel_err  # noqa: E402
 
+LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap)
+
 
 def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=False):
     h = hidden.detach().requires_grad_()
@@ -23,11 +25,11 @@ def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=
 
     def step():
         h.grad = w.grad = None
-        flce.fused_linear_cross_entropy(h, w, targets).backward()
+        flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS).backward()
 
     def fwd():
         with torch.no_grad():
-            flce.fused_linear_cross_entropy(h, w, targets)
+            flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS)
 
     fwd()
     fwd_ms = do_bench(fwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
@@ -164,8 +166,11 @@ def main():
     parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
     parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
     parser.add_argument("--gemm-rows", default="", help="','-separated chunk sizes for time_gemms")
+    parser.add_argument("--softcap", type=float, default=None, help="a logit softcap (Gemma-2's is 30)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.softcap is not None:
+        LOSS_OPTIONS["softcap"] = args.softcap
     flce, _ = load_flce()
     records, env_info = [], environment()
     if args.gemm_rows:
@@ -177,7 +182,7 @@ def main():
     for row in args.rows.split(","):
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
         hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
-        ref = reference(hidden, weight, targets)
+        ref = reference(hidden, weight, targets, softcap=args.softcap)
         flops = 2 * n_tokens * vocab_size * hidden_size
         for variant in args.variants.split(";"):
             env = dict(kv.split("=") for kv in variant.split(",") if kv)
@@ -186,7 +191,11 @@ def main():
             try:
                 fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,
                                                              args.warmup_ms, args.fwd_only)
-                rec = {"row": row, "variant": variant, "fwd_ms": fwd_ms, "fwd_tflops": flops / fwd_ms / 1e9}
+                rec = {"row": row, "variant": variant, **LOSS_OPTIONS, "fwd_ms": fwd_ms,
+                       "fwd_tflops": flops / fwd_ms / 1e9}
+                with torch.no_grad():
+                    fwd_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS)
+                rec["fwd_loss_err"] = abs(fwd_loss.item() - ref[0].item()) / abs(ref[0].item())
                 if step_ms is not None:
                     trace = bool(args.trace and args.out) and variant == args.variants.split(";")[0]
                     rec.update(measure_step(flce, step, (h, w), targets, ref, step_ms, flops, args, row, trace))
@@ -211,7 +220,7 @@ def measure_step(flce, step, tensors, targets, ref, step_ms, flops, args, row, t
     profiles that ``args`` ask for (the chrome trace where ``trace``)."""
     h, w = tensors
     h.grad = w.grad = None
-    loss = flce.fused_linear_cross_entropy(h, w, targets)
+    loss = flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS)
     loss.backward()
     rec = {"step_ms": step_ms, "loop_ms": back_to_back_ms(step), "step_extra_mib": step_extra_mib(step, (h, w)),
            "step_tflops_6nvh": 3 * flops / step_ms / 1e9,

@@ -49,7 +49,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
                      HAS_LSE_GRAD=False, RETURN_METRICS=False, USE_TMA=use_tma, TMA_STORE=store, EVEN_K=True,
                      INPUT_PRECISION="ieee", PERSISTENT=persistent, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
                      BLOCK_K=BLOCK_K, HAS_CLASS_WEIGHT=False, ACC_DTYPE=tl.float32, HAS_LOGIT_SCALE=False,
-                     EVEN_V=True)
+                     EVEN_V=True, PICK_TARGET=True)
     constants.update(flags)
     source = ASTSource(K._logit_tile_kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
@@ -58,7 +58,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
 ROW_POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64", "correct_ptr": "*i32",
                 "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16", "weight_ptr": "*bf16"}
-ROW_FLOATS = ("logit_scale", "inv_vocab_size", "label_smoothing", "z_loss_scale")
+ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
     "_finalize_rows_kernel": dict(BLOCK_R=128),

@@ -490,10 +490,11 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
 def test_training_loss_is_the_forwards(flce, monkeypatch):
     """The factored training step takes each target's logit from a tensor-core product that sums
     in the logit kernel's order (``row_reference``, FLCE_TILE_TARGET=1, the default), so that
-    the product's rounding cancels in lse - z_t: its loss equals the forward's (which picks the
-    target in the tile) to fp32 rounding. On a GPU the products run in TF32 here (10-bit
-    mantissas), so a target logit from an exact fp32 dot product would put TF32's error, about
-    1e-3 of a logit, into the loss (FLCE_TILE_TARGET=0 does that; test_matches_reference bounds
+    the product's rounding cancels in lse - z_t: its loss equals the forward's (which takes it
+    from the same product, or from the tiles with FLCE_TILE_TARGET=0) to fp32 rounding. On a GPU
+    the products run in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot
+    product would put TF32's error, about 1e-3 of a logit, into the training loss
+    (FLCE_TILE_TARGET=0 does that; test_matches_reference bounds
     its error)."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
     monkeypatch.delenv("FLCE_TILE_TARGET", raising=False)  # the default
@@ -563,6 +564,41 @@ def test_row_factors_make_the_target_entry_exact(flce):
     bound = 2.0 ** -8 if DEVICE == "cuda" else 2.0 ** -7
     assert float((row_share[loss_grad != 0] - 1).abs().max()) <= bound
     assert abs(float(row_share[9]) - 1) <= 1e-6
+
+
+@pytest.mark.parametrize("options", [dict(), dict(bias=True), dict(softcap=4.0)], ids=["plain", "bias", "softcap"])
+def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch, options):
+    """A statistics sweep does not pick the target logit in its tiles (PICK_TARGET off: a compare
+    and a select a logit fewer) but takes it from the tensor-core product of ``_picked_logits``,
+    with the tiles' bias, scale and softcap; FLCE_TILE_TARGET=0 picks it in the tiles. The
+    per-row losses of both are equal to fp32 rounding, and the reference's. Chunks of 8 rows with
+    20% ignored: the target logits of every chunk land in their rows."""
+    backend = submodule(flce, "_triton_backend")
+    picks = []
+    launch = backend._launch_logit_tiles
+
+    def recording_launch(*args, pick_target=True, **kwargs):
+        picks.append(pick_target)
+        return launch(*args, pick_target=pick_target, **kwargs)
+
+    monkeypatch.setattr(backend, "_launch_logit_tiles", recording_launch)
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    hidden, weight, targets, bias = make_inputs(37, H, V, torch.float32, seed=43, bias=options.get("bias", False),
+                                                ignore=0.2, scale=3.0)
+    softcap = options.get("softcap")
+    losses = {}
+    for tile_target in ("1", "0"):
+        monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+        picks.clear()
+        with torch.no_grad():
+            losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none",
+                                                                  logit_scale=0.5, softcap=softcap)
+        assert picks and all(pick == (tile_target == "0") for pick in picks), picks
+    # The same H = 40 products in the same order (the interpreter: fp32 dots of 16-wide K steps
+    # both), then the same operations: a few fp32 roundings of logits of size about 3.
+    torch.testing.assert_close(losses["1"], losses["0"], rtol=0.0, atol=1e-5)
+    ref = reference(hidden, weight, targets, bias, reduction="none", logit_scale=0.5, softcap=softcap)
+    assert_rel(losses["1"], ref.loss, tolerance(torch.float32, "loss"), "loss")
 
 
 @pytest.mark.parametrize("tile_target", ["0", "1"])

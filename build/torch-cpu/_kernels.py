@@ -79,6 +79,14 @@ def _exp_reference(tile_max, row_ref, ROW_REFERENCE: tl.constexpr):
 
 
 @triton.jit
+def _target_columns(targets, vocab_size):
+    """Targets [BLOCK] (int64) as int32 columns, -1 where not a column of this weight: compared
+    against every column of a tile, int64 targets make each compare a 64-bit one (the forward's
+    sweep took 255 registers against 215 in int32, compiled for sm_90)."""
+    return tl.where((targets >= 0) & (targets < vocab_size), targets, -1).to(tl.int32)
+
+
+@triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow for large |x|.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
@@ -242,12 +250,14 @@ def _logit_tile_kernel(
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the logits and statistics (fp64 for fp64 inputs)
     HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
     EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
+    PICK_TARGET: tl.constexpr = True,  # modes 0, 1: the tile holding a row's target writes its logit
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
     A tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
     then bias, scale and softcap. Mode 0 writes the tile statistics and, from the tile that
-    holds it, the target logit; mode 1 also stores ``z - tile_max`` to ``out``; mode 2
+    holds it, the target logit (with PICK_TARGET; without, the caller takes it from
+    ``_picked_logit_dot_kernel``); mode 1 also stores ``z - tile_max`` to ``out``; mode 2
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
     exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
@@ -281,7 +291,7 @@ def _logit_tile_kernel(
         row_mask = offs_n < n_rows
         col_mask = offs_v < vocab_size
         offs_n64 = offs_n.to(tl.int64)
-        targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
+        targets = _target_columns(tl.load(targets_ptr + offs_n, mask=row_mask, other=-1), vocab_size)
 
         if MODE == MODE_GRAD_LOGITS:
             is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
@@ -331,11 +341,13 @@ def _logit_tile_kernel(
             if MODE == MODE_STATS_AND_EXP:
                 loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
                 tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
-            else:
+            elif PICK_TARGET:
                 # The target's logit from this tile's product, like the lse's terms: the two
-                # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3
-                # takes row_reference's, a tensor-core product summed in the same order: the
-                # same loss, where picking here cost about 4% of a step (perf notes, runs 29-30).
+                # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3,
+                # and modes 0 and 1 without PICK_TARGET, take _picked_logit_dot_kernel's, a
+                # tensor-core product summed in the same order: the same loss, where picking
+                # here costs a compare and a select a logit and about 55 registers a thread
+                # (perf notes, runs 29-30 and 36).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V
@@ -599,7 +611,7 @@ def _grad_from_shifted_kernel(
         tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
         lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
         loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-        targets = tl.load(targets_ptr + offs_n, mask=row_mask, other=-1)
+        targets = _target_columns(tl.load(targets_ptr + offs_n, mask=row_mask, other=-1), vocab_size)
         logits = shifted + tile_max[:, None]
         probs = tl.exp(shifted + (tile_max - lse)[:, None])
         is_target = offs_v[None, :] == targets[:, None]
@@ -872,8 +884,9 @@ def _picked_logit_dot_kernel(
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
     targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
-    out_ptr,  # [n_rows] fp32 out: s * hidden_i . weight_c
+    out_ptr,  # [n_rows] fp32 out: z at column c (s * hidden_i . weight_c without bias or softcap)
     target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
+    bias_ptr,  # [V]                                   (HAS_BIAS)
     n_rows,
     vocab_size,
     hidden_size,
@@ -882,17 +895,21 @@ def _picked_logit_dot_kernel(
     stride_wv,
     stride_wk,
     logit_scale,
+    softcap,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores,
     hidden[rows] @ weight[their columns].T [BLOCK_R, BLOCK_R], whose diagonal holds them. The
     product adds each logit's H terms in the same order of K steps as the logit kernel's tiles
     (a wgmma output sums its own terms), so that z_t carries the rounding of the lse's logits and
     the loss lse - z_t cancels it, where an exact fp32 dot product leaves it (about 1e-5 of the
-    loss on the Llama-3 head). BLOCK_R - 1 of every BLOCK_R products are discarded: 64 / V of
-    the logit kernel's flops."""
+    loss on the Llama-3 head). Bias, scale and softcap follow in ``_tile_logits``'s operations, so
+    that z_t is the tiles' value bit for bit. BLOCK_R - 1 of every BLOCK_R products are
+    discarded: 64 / V of the logit kernel's flops."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
@@ -911,7 +928,12 @@ def _picked_logit_dot_kernel(
         h_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk
     on_diagonal = tl.arange(0, BLOCK_R)[:, None] == tl.arange(0, BLOCK_R)[None, :]
-    picked = logit_scale * tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)
+    picked = tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)  # exact: one term a row is not zero
+    if HAS_BIAS:
+        picked = picked + tl.load(bias_ptr + columns).to(tl.float32)
+    picked = picked * logit_scale
+    if HAS_SOFTCAP:
+        picked = softcap * _tanh(picked / softcap)
     tl.store(out_ptr + offs_r, picked, mask=row_mask)
     tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
 

@@ -66,7 +66,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
     "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
-    "HAS_LOGIT_SCALE", "EVEN_V",
+    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET",
 ]
 _autotuned = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_logit_tiles)
@@ -210,7 +210,7 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
-                        return_metrics=False):
+                        return_metrics=False, pick_target=True):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
@@ -258,6 +258,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         ACC_DTYPE=_acc_dtype(hidden.dtype),
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
+        PICK_TARGET=pick_target,
     )
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
@@ -299,15 +300,18 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     )
     if (row_ref is None) != (target_logit is None):  # mode 3 writes no target logit: it must come along
         raise ValueError("row_stats takes row_ref and target_logit together (both from row_reference)")
-    if target_logit is None:  # written by the tile that holds each row's target
+    pick_target = target_logit is None and not _target_logit_by_product(hidden)
+    if pick_target:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), device=device, dtype=acc_dtype)
+    elif target_logit is None:
+        target_logit = _picked_logits(hidden, weight, targets, opts, bias)[1]
     if shifted_out is None:
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-                        class_weight=class_weight, return_metrics=return_metrics)
+                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
     return tile_stats, target_logit, block_v, num_tiles
 
 
@@ -471,23 +475,45 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, ordered_targets, count, loss_grad
 
 
+def _target_logit_by_product(hidden: torch.Tensor) -> bool:
+    """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
+    ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
+    tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
+    every logit, which pushed the sweep's registers to the 255 cap (perf notes, run 36). Not for
+    fp64 inputs (the product sums in fp32), nor with FLCE_TILE_TARGET=0."""
+    return hidden.dtype != torch.float64 and env_int("FLCE_TILE_TARGET", 1) != 0
+
+
+def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                   bias: torch.Tensor | None = None):
+    """(z_ic, the same or NaN where t_i is not a column here), both [rows] fp32, with c = t_i
+    (column 0 where the target is not a column of this weight) and z the final logit (bias, scale,
+    softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do."""
+    n_rows, hidden_size = hidden.shape
+    out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
+    target_logit = torch.empty_like(out)
+    block_r, block_k = (16, 16) if interpreting() else (64, 64)
+    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
+        hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), n_rows, weight.shape[0],
+        hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        float(opts.logit_scale), float(opts.softcap or 1.0),
+        INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, num_warps=4,
+    )
+    return out, target_logit
+
+
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions):
     """(B, target_logit), both [rows] fp32: B is each row's logit at its target (column 0 where
     the target is ignored or in another rank's slice), the reference that ``row_stats`` stores
     exponentials against, and target_logit the same logit, NaN where the target is not one of
     these columns. B is a lower bound of the row's max; a row whose max passes it by more than
     the gap (a target of probability below e^-40) is moved to its max by ``row_factors``."""
+    if env_int("FLCE_TILE_TARGET", 1) != 0:  # the logit from a tensor-core product, as the tiles'
+        return _picked_logits(hidden, weight, targets, opts)
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
-    if env_int("FLCE_TILE_TARGET", 1) != 0:  # the logit from a tensor-core product, as the tiles'
-        block_r, block_k = (16, 16) if interpreting() else (64, 64)
-        K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
-            hidden, weight, targets, out, target_logit, n_rows, weight.shape[0], hidden_size,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opts.logit_scale),
-            INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
-        )
-        return out, target_logit
     # Bound by memory (two rows of H per row): few rows a program and wide loads put enough
     # programs and bytes in flight (16 rows a program ran at a quarter of the bandwidth).
     block_r, block_h = (16, 32) if interpreting() else (4, 512)
