@@ -115,13 +115,14 @@ def main():
             anatomy = kernel_breakdown(step)
             entry.update(span_ms=anatomy["span_ms"], busy_ms=anatomy["busy_ms"],
                          busy_share=anatomy["busy_ms"] / anatomy["span_ms"] if anatomy["span_ms"] else None,
-                         kernel_ms=anatomy["kernel_ms"])
+                         kernel_ms=anatomy["kernel_ms"], kernels_per_step=anatomy["kernels_per_step"],
+                         largest_gaps_ms=anatomy["largest_gaps_ms"])
         else:
             entry["step_ms"] = time_step(step, device, args.warmup_ms, args.rep_ms)
         model.zero_grad(set_to_none=True)
         entry["step_peak_mib"] = peak_mib(step, device)
         result["results"].append(entry)
-        print(json.dumps({k: v for k, v in entry.items() if k != "kernel_ms"}), flush=True)
+        print(json.dumps({k: v for k, v in entry.items() if k not in ("kernel_ms", "largest_gaps_ms")}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     ours, theirs = (next(r for r in result["results"] if r["method"] == m) for m in ("fused-linear-ce", "transformers"))
