@@ -85,6 +85,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test, e.g. on a CPU)")
     parser.add_argument("--warmup-ms", type=float, default=1000)
     parser.add_argument("--rep-ms", type=float, default=1000)
+    parser.add_argument("--trace", action="store_true",
+                        help="a chrome trace (CPU and CUDA) of three steps per method, next to --out")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,6 +121,14 @@ def main():
                          largest_gaps_ms=anatomy["largest_gaps_ms"])
         else:
             entry["step_ms"] = time_step(step, device, args.warmup_ms, args.rep_ms)
+        if args.trace and args.out and device == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(str(Path(args.out).with_name(f"trace_{name}.json")))
         model.zero_grad(set_to_none=True)
         entry["step_peak_mib"] = peak_mib(step, device)
         result["results"].append(entry)

@@ -101,6 +101,35 @@ def test_patched_model_keeps_logits_outside_training(flce):
     torch.testing.assert_close(twin(**batch, fused_loss=True).loss, twin_out.loss, rtol=1e-5, atol=0)
 
 
+def test_fused_forward_keeps_the_models_cache_default(flce, monkeypatch):
+    """Without an attention mask, the patched forward runs the backbone as the model's own forward
+    does (its use_cache default): without a cache, transformers looks for packed sequences in the
+    position ids and reads the answer on the host, one sync a step (perf notes, run 39). Counted:
+    the search runs in neither forward by default, and runs with use_cache=False (so the count can
+    see it)."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        pytest.skip("this transformers has no packed-sequence search")
+    calls = []
+    search = masking_utils.find_packed_sequence_indices
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", counted)
+    model = flce.patch_forward(tiny_causal_lm("llama"))
+    batch = tiny_batch(model)
+    inputs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    counts = {}
+    for name, kwargs in (("fused", {}), ("original", dict(fused_loss=False)),
+                         ("fused without cache", dict(use_cache=False))):
+        calls.clear()
+        model(**inputs, **kwargs).loss.backward()
+        counts[name] = len(calls)
+    assert counts == {"fused": 0, "original": 0, "fused without cache": 1}
+
+
 def test_loss_terms_pass_through(flce, monkeypatch):
     """label_smoothing, z_loss_scale and return_lse reach the core (torch CPU path, fp64 reference)."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -117,7 +117,9 @@ def fused_forward(
     num_items_in_batch = inputs.pop("num_items_in_batch", num_items_in_batch)
     for name in _HEAD_ONLY_ARGUMENTS:
         inputs.pop(name, None)
-    inputs.setdefault("use_cache", False)  # no generation follows a loss without logits
+    # use_cache stays the model's own default, as in its forward with labels: without a cache (and
+    # without an attention mask) transformers looks for packed sequences in the position ids and
+    # reads the answer on the host, a sync that left the GPU idle every step (perf notes, run 39).
     backbone = model.base_model
     outputs = backbone(**inputs)
     hidden = outputs.last_hidden_state
