@@ -64,7 +64,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_finalize_rows_kernel": dict(BLOCK_R=128),
     "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
     "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
-    "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
+    "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee", BLOCK_T=16),
 }
 
 

@@ -3,7 +3,7 @@ over the options, shapes, layouts and code paths (chunks, TMA/pointer loads, gra
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, assert_rel, make_inputs, submodule, tolerance
+from conftest import DEVICE, DTYPES, DTYPES_16, assert_rel, make_inputs, submodule, tolerance
 from reference import reference
 
 # Default sizes: V prime (partial last tile), H not a multiple of the K tile, N > BLOCK_N.
@@ -601,13 +601,42 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
     assert_rel(losses["1"], ref.loss, tolerance(torch.float32, "loss"), "loss")
 
 
-@pytest.mark.parametrize("tile_target", ["0", "1"])
-def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target):
+@pytest.mark.parametrize("dtype", DTYPES_16)
+@pytest.mark.parametrize("pick_targets", [None, "16"])
+def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype, pick_targets):
+    """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, with
+    N = 64 or, with FLCE_PICK_TARGETS=16, N = 16) is the logit kernel's tile value bit for bit
+    (m64n256k16 there): each wgmma output sums its own K terms in the same k16 steps, whatever N.
+    So the per-row losses of a forward that picks z_t in its tiles (FLCE_TILE_TARGET=0) and of
+    one that takes it from the product are equal. The interpreter's products are numpy's fp32
+    matrix products, whose order of summation depends on the shapes: there, fp32 rounding of
+    logits of size about 3 over H = 256 terms (1e-5)."""
+    if pick_targets is not None:
+        monkeypatch.setenv("FLCE_PICK_TARGETS", pick_targets)
+    hidden, weight, targets, _ = make_inputs(200, 256, 512, dtype, seed=47, ignore=0.1, scale=3.0)
+    losses = {}
+    for tile_target in ("0", "1"):
+        monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+        with torch.no_grad():
+            losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    if DEVICE == "cuda":
+        assert torch.equal(losses["1"], losses["0"])
+    else:
+        torch.testing.assert_close(losses["1"], losses["0"], rtol=0.0, atol=1e-5)
+    ref = reference(hidden, weight, targets, reduction="none")
+    assert_rel(losses["1"], ref.loss, tolerance(dtype, "loss"), "loss")
+
+
+@pytest.mark.parametrize("tile_target, pick_targets", [("0", None), ("1", None), ("1", "16")])
+def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target, pick_targets):
     """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
-    (1), against float64: s * h_i . w_t, column 0's where the target is not a column of this
-    weight (an ignored row, a target in another rank's slice), where the target logit is NaN.
-    37 rows: a partial last block of rows; H = 40: a partial K step."""
+    (1; with FLCE_PICK_TARGETS=16, programs that pick 16 rows of a product's 32 on the
+    interpreter, 64 on a GPU), against float64: s * h_i . w_t, column 0's where the target is not
+    a column of this weight (an ignored row, a target in another rank's slice), where the target
+    logit is NaN. 37 rows: a partial last block of rows; H = 40: a partial K step."""
     monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+    if pick_targets is not None:
+        monkeypatch.setenv("FLCE_PICK_TARGETS", pick_targets)
     hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=31, scale=5.0)
     targets[3], targets[20] = -100, V + 5
     opts = submodule(flce, "_options").LossOptions(logit_scale=0.5)

@@ -492,13 +492,15 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
-    block_r, block_k = (16, 16) if interpreting() else (64, 64)
-    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
+    block_r, block_k = (32, 16) if interpreting() else (64, 64)
+    # FLCE_PICK_TARGETS: rows a program picks (a divisor of block_r: 16, 32, 64), exploration.
+    block_t = min(block_r, env_int("FLCE_PICK_TARGETS", block_r))
+    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r), block_r // block_t)](
         hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), n_rows, weight.shape[0],
         hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(opts.logit_scale), float(opts.softcap or 1.0),
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, num_warps=4,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, BLOCK_T=block_t, num_warps=4,
     )
     return out, target_logit
 

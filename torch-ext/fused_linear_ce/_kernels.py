@@ -899,27 +899,37 @@ def _picked_logit_dot_kernel(
     INPUT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # rows whose logit a program picks: a divisor of BLOCK_R
     HAS_BIAS: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
 ):
-    """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores,
-    hidden[rows] @ weight[their columns].T [BLOCK_R, BLOCK_R], whose diagonal holds them. The
-    product adds each logit's H terms in the same order of K steps as the logit kernel's tiles
-    (a wgmma output sums its own terms), so that z_t carries the rounding of the lse's logits and
-    the loss lse - z_t cancels it, where an exact fp32 dot product leaves it (about 1e-5 of the
-    loss on the Llama-3 head). Bias, scale and softcap follow in ``_tile_logits``'s operations, so
-    that z_t is the tiles' value bit for bit. BLOCK_R - 1 of every BLOCK_R products are
-    discarded: 64 / V of the logit kernel's flops."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores:
+    hidden[BLOCK_R rows] @ weight[the columns of BLOCK_T of them].T [BLOCK_R, BLOCK_T], which holds
+    them on a diagonal. The product adds each logit's H terms in the same order of K steps as the
+    logit kernel's tiles (a wgmma output sums its own terms, whatever N; BLOCK_R = 64 keeps the
+    product on wgmma), so that z_t carries the rounding of the lse's logits and the loss lse - z_t
+    cancels it, where an exact fp32 dot product leaves it (about 1e-5 of the loss on the Llama-3
+    head). Bias, scale and softcap follow in ``_tile_logits``'s operations, so that z_t is the
+    tiles' value bit for bit. Program (i, j) picks the rows i BLOCK_R + j BLOCK_T + [0, BLOCK_T):
+    a BLOCK_T below BLOCK_R makes BLOCK_R / BLOCK_T times more programs, each reading the block's
+    hidden rows again, for chunks of few row blocks (a K loop of H / BLOCK_K steps a program)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # the product's rows
+    picks = tl.program_id(1) * BLOCK_T  # this program's rows: offs_r[picks:picks + BLOCK_T]
     row_mask = offs_r < n_rows
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
     local = (targets >= 0) & (targets < vocab_size)
     columns = tl.where(local, targets, 0).to(tl.int64)
+    if BLOCK_T < BLOCK_R:
+        offs_picked = tl.program_id(0) * BLOCK_R + picks + tl.arange(0, BLOCK_T)
+        picked_targets = tl.load(targets_ptr + offs_picked, mask=offs_picked < n_rows, other=0)
+    else:
+        picked_targets = targets
+    picked_columns = tl.where((picked_targets >= 0) & (picked_targets < vocab_size), picked_targets, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     load_r = (offs_r % n_rows).to(tl.int64)  # rows past the end wrap onto valid ones, not stored
     h_ptrs = hidden_ptr + load_r[:, None] * stride_hn + offs_k[None, :] * stride_hk  # [BLOCK_R, BLOCK_K]
-    w_ptrs = weight_ptr + columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_R]
-    acc = tl.zeros((BLOCK_R, BLOCK_R), tl.float32)
+    w_ptrs = weight_ptr + picked_columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_T]
+    acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
     for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
         k_mask = offs_k < hidden_size - k * BLOCK_K  # zeros past H, as the copy engine fills them
         h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
@@ -927,15 +937,16 @@ def _picked_logit_dot_kernel(
         acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
         h_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk
-    on_diagonal = tl.arange(0, BLOCK_R)[:, None] == tl.arange(0, BLOCK_R)[None, :]
-    picked = tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)  # exact: one term a row is not zero
+    on_diagonal = tl.arange(0, BLOCK_R)[:, None] == (picks + tl.arange(0, BLOCK_T))[None, :]
+    picked = tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)  # exact: one term at most a row is not zero
     if HAS_BIAS:
         picked = picked + tl.load(bias_ptr + columns).to(tl.float32)
     picked = picked * logit_scale
     if HAS_SOFTCAP:
         picked = softcap * _tanh(picked / softcap)
-    tl.store(out_ptr + offs_r, picked, mask=row_mask)
-    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
+    in_program = (tl.arange(0, BLOCK_R) >= picks) & (tl.arange(0, BLOCK_R) < picks + BLOCK_T)
+    tl.store(out_ptr + offs_r, picked, mask=row_mask & in_program)
+    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask & in_program)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
