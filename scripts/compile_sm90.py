@@ -56,8 +56,9 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 
 
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
-ROW_POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64", "correct_ptr": "*i32",
-                "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16", "weight_ptr": "*bf16"}
+ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
+                "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
+                "weight_ptr": "*bf16"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),

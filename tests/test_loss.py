@@ -97,6 +97,11 @@ CASES = {
     "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
     "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
     "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
+    # Every row's reference in one launch before the chunks, the rows read through the order
+    # (or in place when every row is computed).
+    "factored_pick_once": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=1), ignore=0.3, logit_scale=0.7),
+    "factored_pick_once_all_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=1, FLCE_SKIP_IGNORED=0),
+                                        ignore=0.3),
     # A 16-bit grad_weight over many chunks, summed in groups of two into an fp32 sum (the
     # small head's fp32 accumulator switched off), with and without the factored gradient.
     "grouped_weight_sum": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0),
@@ -451,19 +456,23 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
+@pytest.mark.parametrize("pick_once", ["0", "1"])
 @pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])
-def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch, dtype):
+def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch, dtype, pick_once):
     """A training step without bias, softcap, smoothing or z-loss: the logit sweep sees only
     the rows with a loss, and the gradient is factored, also for rows whose max passes their
-    reference (the target's logit) by more than the gap; results as the reference."""
+    reference (the target's logit) by more than the gap; results as the reference. The
+    references come from one row_reference call a chunk, or with FLCE_PICK_ONCE=1 from one call
+    for every row of the step's order, its rows read in place."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    monkeypatch.setenv("FLCE_PICK_ONCE", pick_once)
     backend = submodule(flce, "_triton_backend")
     gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
     swept_rows, references, row_maxes = [], [], []
     row_reference, factored_chunk = backend.row_reference, backend.factored_chunk
 
-    def recording_row_reference(*args):
-        row_ref, target_logit = row_reference(*args)
+    def recording_row_reference(*args, **kwargs):
+        row_ref, target_logit = row_reference(*args, **kwargs)
         references.append(row_ref.clone())
         return row_ref, target_logit
 
@@ -479,6 +488,10 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
     loss.backward()
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
+    if pick_once == "1":  # one call for the 37 rows of the order, the ignored ones last
+        assert len(references) == 1 and references[0].shape == (37,)
+        references = list(references[0][:sum(swept_rows)].split(swept_rows))
+    assert len(references) == len(swept_rows) > 1
     moved_rows = [int((m > r + gap).sum()) for m, r in zip(row_maxes, references, strict=True)]
     num_valid = int((targets != -100).sum())
     assert sum(swept_rows) == num_valid < 37

@@ -70,9 +70,13 @@ class FactoredBackend(Backend, Protocol):
     diag(r) E' (see ``_kernels``); called only where ``factored_gradient`` says so."""
 
     def row_reference(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                      opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+                      opts: LossOptions, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, target_logit) [rows] fp32: the reference of each row's exponentials (its target's
-        logit, column 0 where it has none here) and the target's logit (NaN where none here)."""
+        logit, column 0 where it has none here) and the target's logit (NaN where none here);
+        with ``rows`` (int64) row i is hidden[rows[i]] (only where ``reference_in_place``)."""
+
+    def reference_in_place(self) -> bool:
+        """Whether the chunk loop takes every row's reference in one ``row_reference`` call."""
 
     def row_factors(self, buffer: torch.Tensor, state: Any, row_max: torch.Tensor, row_ref: torch.Tensor,
                     lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,
@@ -81,12 +85,13 @@ class FactoredBackend(Backend, Protocol):
 
     def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
                        buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
-                       scaled_hidden: torch.Tensor | None = None,
-                       return_metrics: bool = False) -> tuple[RowStats, torch.Tensor]:
+                       scaled_hidden: torch.Tensor | None = None, return_metrics: bool = False,
+                       reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[RowStats, torch.Tensor]:
         """A whole factored chunk when ``weight`` is the whole vocabulary (no merge across
-        shards): ``row_reference``, ``row_stats`` into ``buffer``, ``finalize`` into ``out`` and
-        ``row_factors`` in one, and with ``scaled_hidden`` [rows, H] also diag(r) hidden
-        written there. Returns (stats, r [rows] fp32)."""
+        shards): ``row_reference`` (unless given as ``reference``), ``row_stats`` into
+        ``buffer``, ``finalize`` into ``out`` and ``row_factors`` in one, and with
+        ``scaled_hidden`` [rows, H] also diag(r) hidden written there. Returns (stats, r [rows]
+        fp32)."""
 
     def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
                    dst_rows: torch.Tensor | None = None) -> torch.Tensor:

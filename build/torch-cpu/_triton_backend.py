@@ -363,16 +363,17 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
 
 
 def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad, out: RowResults,
-                   scaled_hidden=None, return_metrics=False):
+                   scaled_hidden=None, return_metrics=False, reference=None):
     """A factored training chunk of rows whose weight is the whole vocabulary, in three launches:
-    ``row_reference``, the sweep that stores exponentials to ``buffer`` [rows, V], and one pass
-    over the rows that does what ``row_stats``' merge, ``finalize`` (into ``out``) and
-    ``row_factors`` do, and with ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r)
-    hidden there. Returns (stats, r [rows] fp32)."""
+    ``row_reference`` (unless ``reference`` brings its (B, target_logit) already), the sweep that
+    stores exponentials to ``buffer`` [rows, V], and one pass over the rows that does what
+    ``row_stats``' merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with
+    ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. Returns
+    (stats, r [rows] fp32)."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
-    row_ref, target_logit = row_reference(hidden, weight, targets, opts)
+    row_ref, target_logit = row_reference(hidden, weight, targets, opts) if reference is None else reference
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, None, targets, opts, buffer, row_ref,
                                                           loss_grad, None, target_logit, return_metrics)
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
@@ -485,34 +486,47 @@ def _target_logit_by_product(hidden: torch.Tensor) -> bool:
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
-                   bias: torch.Tensor | None = None):
+                   bias: torch.Tensor | None = None, rows: torch.Tensor | None = None):
     """(z_ic, the same or NaN where t_i is not a column here), both [rows] fp32, with c = t_i
     (column 0 where the target is not a column of this weight) and z the final logit (bias, scale,
-    softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do."""
-    n_rows, hidden_size = hidden.shape
+    softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do.
+    With ``rows`` (int64 [rows]) row i is hidden[rows[i]]."""
+    n_rows, hidden_size = (hidden.shape[0] if rows is None else rows.shape[0]), hidden.shape[1]
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
     block_r, block_k = (32, 16) if interpreting() else (64, 64)
     # FLCE_PICK_TARGETS: rows a program picks (a divisor of block_r: 16, 32, 64), exploration.
     block_t = min(block_r, env_int("FLCE_PICK_TARGETS", block_r))
     K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r), block_r // block_t)](
-        hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), n_rows, weight.shape[0],
-        hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), _or_dummy(rows, hidden.device),
+        n_rows, weight.shape[0], hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(opts.logit_scale), float(opts.softcap or 1.0),
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, BLOCK_T=block_t, num_warps=4,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, HAS_ROWS=rows is not None, BLOCK_T=block_t,
+        num_warps=4,
     )
     return out, target_logit
 
 
-def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions):
+def reference_in_place() -> bool:
+    """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
+    loop can take every row's reference in one launch before its first chunk
+    (FLCE_PICK_ONCE=1, with the tensor-core target logit) instead of one launch a chunk."""
+    return env_int("FLCE_PICK_ONCE", 0) != 0 and env_int("FLCE_TILE_TARGET", 1) != 0
+
+
+def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                  rows: torch.Tensor | None = None):
     """(B, target_logit), both [rows] fp32: B is each row's logit at its target (column 0 where
     the target is ignored or in another rank's slice), the reference that ``row_stats`` stores
     exponentials against, and target_logit the same logit, NaN where the target is not one of
     these columns. B is a lower bound of the row's max; a row whose max passes it by more than
-    the gap (a target of probability below e^-40) is moved to its max by ``row_factors``."""
+    the gap (a target of probability below e^-40) is moved to its max by ``row_factors``. With
+    ``rows`` (int64, where ``reference_in_place``) row i is hidden[rows[i]]."""
     if env_int("FLCE_TILE_TARGET", 1) != 0:  # the logit from a tensor-core product, as the tiles'
-        return _picked_logits(hidden, weight, targets, opts)
+        return _picked_logits(hidden, weight, targets, opts, rows=rows)
+    if rows is not None:
+        raise ValueError("row_reference reads rows in place only from the tensor-core product")
     n_rows, hidden_size = hidden.shape
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)

@@ -427,6 +427,12 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
         return out
 
+    # Every row's reference and target logit in one launch, the rows read in place (the order's
+    # ignored rows at its end too: they are not known yet), where the backend does so.
+    references = None
+    if factored and shard is None and backend.reference_in_place():
+        references = backend.row_reference(hidden, weight, slice_targets, opts,
+                                           rows=None if row_order is None else row_order.order)
     computed = 0
     for start, end in _spans(n_rows, chunk, row_order, first):
         computed = end
@@ -438,8 +444,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             out = results_of(start, end)
             scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                              if gradients.grad_weight is not None else None)
+            reference = None if references is None else tuple(t[start:end] for t in references)
             stats, row_factor = backend.factored_chunk(hidden_c, weight, targets_c, opts, stored, loss_grad_c, out,
-                                                       scaled_hidden, return_metrics=return_metrics)
+                                                       scaled_hidden, return_metrics=return_metrics,
+                                                       reference=reference)
             finish(stats, start, end, out)
             # What the products need of the chunk's hidden rows is in scaled_hidden now, and
             # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone

@@ -887,6 +887,7 @@ def _picked_logit_dot_kernel(
     out_ptr,  # [n_rows] fp32 out: z at column c (s * hidden_i . weight_c without bias or softcap)
     target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
     bias_ptr,  # [V]                                   (HAS_BIAS)
+    rows_ptr,  # [n_rows] int64: row i is hidden[rows[i]] (HAS_ROWS; else hidden[i])
     n_rows,
     vocab_size,
     hidden_size,
@@ -902,6 +903,7 @@ def _picked_logit_dot_kernel(
     BLOCK_T: tl.constexpr,  # rows whose logit a program picks: a divisor of BLOCK_R
     HAS_BIAS: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
+    HAS_ROWS: tl.constexpr = False,
 ):
     """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores:
     hidden[BLOCK_R rows] @ weight[the columns of BLOCK_T of them].T [BLOCK_R, BLOCK_T], which holds
@@ -927,6 +929,8 @@ def _picked_logit_dot_kernel(
     picked_columns = tl.where((picked_targets >= 0) & (picked_targets < vocab_size), picked_targets, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     load_r = (offs_r % n_rows).to(tl.int64)  # rows past the end wrap onto valid ones, not stored
+    if HAS_ROWS:  # the rows of a whole step's order, read in place instead of gathered by chunk
+        load_r = tl.load(rows_ptr + load_r)
     h_ptrs = hidden_ptr + load_r[:, None] * stride_hn + offs_k[None, :] * stride_hk  # [BLOCK_R, BLOCK_K]
     w_ptrs = weight_ptr + picked_columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_T]
     acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
