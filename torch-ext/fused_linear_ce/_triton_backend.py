@@ -296,15 +296,17 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     num_tiles = triton.cdiv(vocab_size, block_v)
     device = hidden.device
     acc_dtype = accumulation_dtype(hidden.dtype)
-    new = torch.empty if row_count is None else torch.zeros
 
-    def tile_array(enabled, dtype=acc_dtype):
-        return new((n_rows, num_tiles), device=device, dtype=dtype) if enabled else _dummy(device)
+    def tile_array(enabled, dtype=acc_dtype, placeholder=0):
+        if not enabled:
+            return _dummy(device)
+        if row_count is None:
+            return torch.empty((n_rows, num_tiles), device=device, dtype=dtype)
+        return torch.full((n_rows, num_tiles), placeholder, device=device, dtype=dtype)
 
     tile_stats = (
-        tile_array(True), tile_array(True) if row_count is None else torch.ones((n_rows, num_tiles), device=device,
-                                                                               dtype=acc_dtype),
-        tile_array(return_metrics), tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
+        tile_array(True), tile_array(True, placeholder=1), tile_array(return_metrics),
+        tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
     if (row_ref is None) != (target_logit is None):  # mode 3 writes no target logit: it must come along
         raise ValueError("row_stats takes row_ref and target_logit together (both from row_reference)")
@@ -503,7 +505,8 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     (column 0 where the target is not a column of this weight) and z the final logit (bias, scale,
     softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do.
     With ``rows`` (int64 [rows]) row i is hidden[rows[i]]."""
-    n_rows, hidden_size = (hidden.shape[0] if rows is None else rows.shape[0]), hidden.shape[1]
+    n_rows = hidden.shape[0] if rows is None else rows.shape[0]
+    hidden_size = hidden.shape[1]
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
     block_r, block_k = (32, 16) if interpreting() else (64, 64)
