@@ -196,6 +196,13 @@ def main():
                 with torch.no_grad():
                     fwd_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS)
                 rec["fwd_loss_err"] = abs(fwd_loss.item() - ref[0].item()) / abs(ref[0].item())
+                if args.breakdown and step_ms is None:  # the forward's kernels (--fwd-only)
+
+                    def fwd(inputs=(hidden, weight, targets)):
+                        with torch.no_grad():
+                            flce.fused_linear_cross_entropy(*inputs, **LOSS_OPTIONS)
+
+                    rec["fwd_breakdown"] = kernel_breakdown(fwd)
                 if step_ms is not None:
                     trace = bool(args.trace and args.out) and variant == args.variants.split(";")[0]
                     rec.update(measure_step(flce, step, (h, w), targets, ref, step_ms, flops, args, row, trace))

@@ -27,7 +27,8 @@ BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the autotuner's main configuration f
 # Pointer dtypes other than fp32 (or bf16 for the inputs).
 POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_count_ptr": "*i64"}
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
-INTEGERS = ("n_rows", "vocab_size", "hidden_size", "stride_hn", "stride_hk", "stride_wv", "stride_wk", "stride_out_n")
+INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_hk", "stride_wv", "stride_wk",
+            "stride_out_n")
 FLOATS = ("logit_scale", "softcap", "label_smoothing", "z_loss_scale", "inv_vocab_size")
 
 
@@ -66,7 +67,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_finalize_rows_kernel": dict(BLOCK_R=128),
     "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
     "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
-    "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee", BLOCK_T=16),
+    "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
 }
 
 

@@ -84,6 +84,9 @@ CASES = {
     "chunks_none": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), bias=True, reduction="none"),
     "chunks_of_1_sum": dict(n=5, env=dict(FLCE_CHUNK_ROWS=1), bias=True, reduction="sum", label_smoothing=0.1),
     "block_v_16": dict(env=dict(FLCE_BLOCK_V=16), bias=True),
+    # The logit kernel's tiles in groups of 32 rows (two of the interpreter's row blocks; the last
+    # group has one), persistent programs striding over the groups.
+    "grouped_tiles": dict(n=37, env=dict(FLCE_GROUP_ROWS=32, FLCE_PERSISTENT=1), bias=True, ignore=0.2),
     # H a multiple of 128: the pointer path's unmasked K loop (EVEN_K).
     "h_128_even_k": dict(n=9, h=128, v=40, env=dict(FLCE_TMA=0), bias=True),
     "b_t_h_hidden": dict(lead=(3, 7), ignore=0.2),
@@ -97,11 +100,10 @@ CASES = {
     "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
     "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
     "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
-    # Every row's reference in one launch before the chunks, the rows read through the order
-    # (or in place when every row is computed).
-    "factored_pick_once": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=1), ignore=0.3, logit_scale=0.7),
-    "factored_pick_once_all_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=1, FLCE_SKIP_IGNORED=0),
-                                        ignore=0.3),
+    # The references in one launch a chunk (FLCE_PICK_ONCE=0) instead of one launch before the
+    # chunks with the rows read through the order (the default, in the cases above).
+    "factored_reference_per_chunk": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=0), ignore=0.3,
+                                         logit_scale=0.7),
     # A 16-bit grad_weight over many chunks, summed in groups of two into an fp32 sum (the
     # small head's fp32 accumulator switched off), with and without the factored gradient.
     "grouped_weight_sum": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0),
@@ -365,13 +367,16 @@ def test_no_grad_forward(flce):
     check_metrics(metrics, ref, torch.float32)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_forward_in_one_sweep_bounded_on_the_device(flce, monkeypatch, reduction):
+@pytest.mark.parametrize("reduction, group_rows", [("mean", None), ("sum", None), ("none", None), ("none", "16")])
+def test_forward_in_one_sweep_bounded_on_the_device(flce, monkeypatch, reduction, group_rows):
     """FLCE_DEVICE_COUNT=1: a forward without gradients sweeps every row of the order in one
     launch, the logit kernel bounded by the count of rows with a loss read on the device (the
     host reads nothing). The ignored rows, ordered last, are never computed: loss 0, lse 0,
     prediction -1 and metrics as the reference's, and as the chunked forward's (two chunks of 24
-    rows here) to fp32 rounding. With a bias and a scale; N = 45, 30% ignored."""
+    rows here) to fp32 rounding. With a bias and a scale; N = 45, 30% ignored. With
+    FLCE_GROUP_ROWS=16 the tiles go group by group of 16 rows, the last group past the count."""
+    if group_rows is not None:
+        monkeypatch.setenv("FLCE_GROUP_ROWS", group_rows)
     backend = submodule(flce, "_triton_backend")
     counts = []
     row_stats = backend.row_stats
@@ -499,8 +504,8 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     """A training step without bias, softcap, smoothing or z-loss: the logit sweep sees only
     the rows with a loss, and the gradient is factored, also for rows whose max passes their
     reference (the target's logit) by more than the gap; results as the reference. The
-    references come from one row_reference call a chunk, or with FLCE_PICK_ONCE=1 from one call
-    for every row of the step's order, its rows read in place."""
+    references come from one row_reference call for every row of the step's order, its rows read
+    in place (the default), or with FLCE_PICK_ONCE=0 from one call a chunk."""
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
     monkeypatch.setenv("FLCE_PICK_ONCE", pick_once)
     backend = submodule(flce, "_triton_backend")
@@ -652,17 +657,14 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
 
 
 @pytest.mark.parametrize("dtype", DTYPES_16)
-@pytest.mark.parametrize("pick_targets", [None, "16"])
-def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype, pick_targets):
-    """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, with
-    N = 64 or, with FLCE_PICK_TARGETS=16, N = 16) is the logit kernel's tile value bit for bit
+def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype):
+    """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, N = 64)
+    is the logit kernel's tile value bit for bit
     (m64n256k16 there): each wgmma output sums its own K terms in the same k16 steps, whatever N.
     So the per-row losses of a forward that picks z_t in its tiles (FLCE_TILE_TARGET=0) and of
     one that takes it from the product are equal. The interpreter's products are numpy's fp32
     matrix products, whose order of summation depends on the shapes: there, fp32 rounding of
     logits of size about 3 over H = 256 terms (1e-5)."""
-    if pick_targets is not None:
-        monkeypatch.setenv("FLCE_PICK_TARGETS", pick_targets)
     hidden, weight, targets, _ = make_inputs(200, 256, 512, dtype, seed=47, ignore=0.1, scale=3.0)
     losses = {}
     for tile_target in ("0", "1"):
@@ -677,16 +679,13 @@ def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype,
     assert_rel(losses["1"], ref.loss, tolerance(dtype, "loss"), "loss")
 
 
-@pytest.mark.parametrize("tile_target, pick_targets", [("0", None), ("1", None), ("1", "16")])
-def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target, pick_targets):
+@pytest.mark.parametrize("tile_target", ["0", "1"])
+def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target):
     """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
-    (1; with FLCE_PICK_TARGETS=16, programs that pick 16 rows of a product's 32 on the
-    interpreter, 64 on a GPU), against float64: s * h_i . w_t, column 0's where the target is not
+    (1), against float64: s * h_i . w_t, column 0's where the target is not
     a column of this weight (an ignored row, a target in another rank's slice), where the target
     logit is NaN. 37 rows: a partial last block of rows; H = 40: a partial K step."""
     monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
-    if pick_targets is not None:
-        monkeypatch.setenv("FLCE_PICK_TARGETS", pick_targets)
     hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=31, scale=5.0)
     targets[3], targets[20] = -100, V + 5
     opts = submodule(flce, "_options").LossOptions(logit_scale=0.5)

@@ -220,6 +220,7 @@ def _logit_tile_kernel(
     n_rows,
     vocab_size,
     hidden_size,
+    group_rows,  # rows whose tiles sweep the vocabulary together (their hidden rows stay in L2)
     # strides
     stride_hn,
     stride_hk,
@@ -264,12 +265,14 @@ def _logit_tile_kernel(
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
     exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
-    target logit to the caller (``row_reference``'s). Tile ids put row
-    blocks fastest, so the programs running together share one weight tile in L2 while
-    the hidden rows of a chunk stay cached. With COUNT_ON_DEVICE only the first row_count rows
-    are computed (the grid is sized for n_rows). Without PERSISTENT a program does one tile;
-    with it, a fixed grid strides over the tiles in one flattened loop, so that the loads
-    of the next tile overlap the epilogue of the current one.
+    target logit to the caller (``row_reference``'s). Tile ids go over the row blocks of a group
+    of ``group_rows`` rows fastest, then over the vocabulary, then over the groups: the programs
+    running together share one weight tile in L2 while the group's hidden rows stay cached, and
+    one launch over several groups fills the waves that separate launches would leave short
+    (the tiles of the next group start where a group's last round has idle programs). With
+    COUNT_ON_DEVICE only the first row_count rows are computed (the grid is sized for n_rows).
+    Without PERSISTENT a program does one tile; with it, a fixed grid strides over the tiles in
+    one flattened loop, so that the loads of the next tile overlap the epilogue of the current one.
     """
     # Combinations the launch layer never makes, refused at compile time.
     tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
@@ -282,9 +285,14 @@ def _logit_tile_kernel(
         n_rows = tl.minimum(tl.load(row_count_ptr), n_rows).to(tl.int32)
     num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
     num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    group_blocks = tl.cdiv(group_rows, BLOCK_N)
     for tile_id in tl.range(tl.program_id(0), num_row_blocks * num_tiles, tl.num_programs(0), flatten=PERSISTENT):
-        pid_n = tile_id % num_row_blocks
-        pid_v = tile_id // num_row_blocks
+        group = tile_id // (group_blocks * num_tiles)
+        first_block = group * group_blocks
+        blocks_in_group = tl.minimum(num_row_blocks - first_block, group_blocks)  # fewer in the last group
+        in_group = tile_id - first_block * num_tiles
+        pid_n = first_block + in_group % blocks_in_group
+        pid_v = in_group // blocks_in_group
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
@@ -906,40 +914,30 @@ def _picked_logit_dot_kernel(
     INPUT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,  # rows whose logit a program picks: a divisor of BLOCK_R
     HAS_BIAS: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
     HAS_ROWS: tl.constexpr = False,
 ):
     """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores:
-    hidden[BLOCK_R rows] @ weight[the columns of BLOCK_T of them].T [BLOCK_R, BLOCK_T], which holds
-    them on a diagonal. The product adds each logit's H terms in the same order of K steps as the
+    hidden[BLOCK_R rows] @ weight[their target columns].T [BLOCK_R, BLOCK_R], which holds them on
+    its diagonal. The product adds each logit's H terms in the same order of K steps as the
     logit kernel's tiles (a wgmma output sums its own terms, whatever N; BLOCK_R = 64 keeps the
     product on wgmma), so that z_t carries the rounding of the lse's logits and the loss lse - z_t
     cancels it, where an exact fp32 dot product leaves it (about 1e-5 of the loss on the Llama-3
     head). Bias, scale and softcap follow in ``_tile_logits``'s operations, so that z_t is the
-    tiles' value bit for bit. Program (i, j) picks the rows i BLOCK_R + j BLOCK_T + [0, BLOCK_T):
-    a BLOCK_T below BLOCK_R makes BLOCK_R / BLOCK_T times more programs, each reading the block's
-    hidden rows again, for chunks of few row blocks (a K loop of H / BLOCK_K steps a program)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # the product's rows
-    picks = tl.program_id(1) * BLOCK_T  # this program's rows: offs_r[picks:picks + BLOCK_T]
+    tiles' value bit for bit."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
     local = (targets >= 0) & (targets < vocab_size)
     columns = tl.where(local, targets, 0).to(tl.int64)
-    if BLOCK_T < BLOCK_R:
-        offs_picked = tl.program_id(0) * BLOCK_R + picks + tl.arange(0, BLOCK_T)
-        picked_targets = tl.load(targets_ptr + offs_picked, mask=offs_picked < n_rows, other=0)
-    else:
-        picked_targets = targets
-    picked_columns = tl.where((picked_targets >= 0) & (picked_targets < vocab_size), picked_targets, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     load_r = (offs_r % n_rows).to(tl.int64)  # rows past the end wrap onto valid ones, not stored
     if HAS_ROWS:  # the rows of a whole step's order, read in place instead of gathered by chunk
         load_r = tl.load(rows_ptr + load_r)
     h_ptrs = hidden_ptr + load_r[:, None] * stride_hn + offs_k[None, :] * stride_hk  # [BLOCK_R, BLOCK_K]
-    w_ptrs = weight_ptr + picked_columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_T]
-    acc = tl.zeros((BLOCK_R, BLOCK_T), tl.float32)
+    w_ptrs = weight_ptr + columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_R]
+    acc = tl.zeros((BLOCK_R, BLOCK_R), tl.float32)
     for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
         k_mask = offs_k < hidden_size - k * BLOCK_K  # zeros past H, as the copy engine fills them
         h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
@@ -947,16 +945,15 @@ def _picked_logit_dot_kernel(
         acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
         h_ptrs += BLOCK_K * stride_hk
         w_ptrs += BLOCK_K * stride_wk
-    on_diagonal = tl.arange(0, BLOCK_R)[:, None] == (picks + tl.arange(0, BLOCK_T))[None, :]
+    on_diagonal = tl.arange(0, BLOCK_R)[:, None] == tl.arange(0, BLOCK_R)[None, :]
     picked = tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)  # exact: one term at most a row is not zero
     if HAS_BIAS:
         picked = picked + tl.load(bias_ptr + columns).to(tl.float32)
     picked = picked * logit_scale
     if HAS_SOFTCAP:
         picked = softcap * _tanh(picked / softcap)
-    in_program = (tl.arange(0, BLOCK_R) >= picks) & (tl.arange(0, BLOCK_R) < picks + BLOCK_T)
-    tl.store(out_ptr + offs_r, picked, mask=row_mask & in_program)
-    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask & in_program)
+    tl.store(out_ptr + offs_r, picked, mask=row_mask)
+    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

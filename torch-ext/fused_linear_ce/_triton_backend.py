@@ -208,6 +208,20 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return _dummies[device]
 
 
+L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows of H = 4096 in 16 bits (50 MB L2)
+
+
+def _group_rows(hidden: torch.Tensor) -> int:
+    """Rows of a tile group of the logit kernel (FLCE_GROUP_ROWS, exploration): 4096, the
+    forward's chunk, or fewer where their hidden rows pass L2_HIDDEN_BYTES, in whole 128-row
+    blocks. Measured on the H200 (perf notes, run 41): one group of 8192 rows costs 3-6% of a
+    forward against two chunks of 4096 on every main head (the hidden rows fall out of L2), and
+    so does one group of Gemma-2's 7405 rows (34 MB). Training chunks are one group."""
+    row_bytes = hidden.shape[1] * hidden.element_size()
+    default = max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
+    return env_int("FLCE_GROUP_ROWS", default)
+
+
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
                         return_metrics=False, pick_target=True, row_count=None):
@@ -240,7 +254,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         class_weight if class_weight is not None else dummy,
         smooth_grad if smooth_grad is not None else dummy,
         row_count if row_count is not None else dummy,
-        n_rows, vocab_size, hidden_size,
+        n_rows, vocab_size, hidden_size, _group_rows(hidden),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
     )
@@ -510,14 +524,12 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
     block_r, block_k = (32, 16) if interpreting() else (64, 64)
-    # FLCE_PICK_TARGETS: rows a program picks (a divisor of block_r: 16, 32, 64), exploration.
-    block_t = min(block_r, env_int("FLCE_PICK_TARGETS", block_r))
-    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r), block_r // block_t)](
+    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
         hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), _or_dummy(rows, hidden.device),
         n_rows, weight.shape[0], hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         float(opts.logit_scale), float(opts.softcap or 1.0),
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, HAS_ROWS=rows is not None, BLOCK_T=block_t,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, HAS_ROWS=rows is not None,
         num_warps=4,
     )
     return out, target_logit
@@ -532,9 +544,11 @@ def counts_on_device() -> bool:
 
 def reference_in_place() -> bool:
     """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
-    loop can take every row's reference in one launch before its first chunk
-    (FLCE_PICK_ONCE=1, with the tensor-core target logit) instead of one launch a chunk."""
-    return env_int("FLCE_PICK_ONCE", 0) != 0 and env_int("FLCE_TILE_TARGET", 1) != 0
+    loop takes every row's reference in one launch before its first chunk (with the tensor-core
+    target logit; FLCE_PICK_ONCE=0: one launch a chunk). A chunk of 1536 rows gave the product
+    24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five launches, 0.042 in one
+    (perf notes, run 40)."""
+    return env_int("FLCE_PICK_ONCE", 1) != 0 and env_int("FLCE_TILE_TARGET", 1) != 0
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
