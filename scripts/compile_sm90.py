@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import _kernels as K  # noqa: E402
 
 BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the autotuner's main configuration for bf16
-# Pointer dtypes other than fp32 (or bf16 for the inputs).
-POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_count_ptr": "*i64"}
+POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32"}  # others: fp32, or bf16 for the inputs
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
 INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_hk", "stride_wv", "stride_wk",
             "stride_out_n")

@@ -27,7 +27,6 @@ def _compile(*args):
     ("RETURN_METRICS=1,HAS_BIAS=1,HAS_SOFTCAP=1,HAS_LOGIT_SCALE=1,EVEN_V=0", "0,1,2"),
     ("HAS_SMOOTHING=1,HAS_Z_LOSS=1,HAS_CLASS_WEIGHT=1,EVEN_V=0", "0,1,2"),
     ("PICK_TARGET=0,RETURN_METRICS=1", "0,1"),  # the statistics sweeps without the target pick
-    ("PICK_TARGET=0,COUNT_ON_DEVICE=1", "0"),  # the forward's one sweep, bounded by a count on the device
 ])
 def test_every_mode_compiles_for_sm90(flags, modes):
     run = _compile("--modes", modes, "--flags", flags)

@@ -367,46 +367,6 @@ def test_no_grad_forward(flce):
     check_metrics(metrics, ref, torch.float32)
 
 
-@pytest.mark.parametrize("reduction, group_rows", [("mean", None), ("sum", None), ("none", None), ("none", "16")])
-def test_forward_in_one_sweep_bounded_on_the_device(flce, monkeypatch, reduction, group_rows):
-    """FLCE_DEVICE_COUNT=1: a forward without gradients sweeps every row of the order in one
-    launch, the logit kernel bounded by the count of rows with a loss read on the device (the
-    host reads nothing). The ignored rows, ordered last, are never computed: loss 0, lse 0,
-    prediction -1 and metrics as the reference's, and as the chunked forward's (two chunks of 24
-    rows here) to fp32 rounding. With a bias and a scale; N = 45, 30% ignored. With
-    FLCE_GROUP_ROWS=16 the tiles go group by group of 16 rows, the last group past the count."""
-    if group_rows is not None:
-        monkeypatch.setenv("FLCE_GROUP_ROWS", group_rows)
-    backend = submodule(flce, "_triton_backend")
-    counts = []
-    row_stats = backend.row_stats
-
-    def recording_row_stats(*args, row_count=None, **kwargs):
-        counts.append(row_count)
-        return row_stats(*args, row_count=row_count, **kwargs)
-
-    monkeypatch.setattr(backend, "row_stats", recording_row_stats)
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "24")
-    hidden, weight, targets, bias = make_inputs(45, H, V, torch.float32, seed=53, bias=True, ignore=0.3)
-    results = {}
-    for device_count in ("0", "1"):
-        monkeypatch.setenv("FLCE_DEVICE_COUNT", device_count)
-        counts.clear()
-        with torch.no_grad():
-            results[device_count] = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction=reduction,
-                                                                     logit_scale=0.6, return_metrics=True)
-        if device_count == "1":
-            assert len(counts) == 1 and counts[0] is not None and int(counts[0]) == int((targets != -100).sum())
-        else:
-            assert len(counts) == 2 and all(c is None for c in counts)
-    ref = reference(hidden, weight, targets, bias, reduction=reduction, logit_scale=0.6)
-    (loss, metrics), (chunked_loss, chunked_metrics) = results["1"], results["0"]
-    assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
-    torch.testing.assert_close(loss, chunked_loss, rtol=1e-6, atol=1e-6)
-    check_metrics(metrics, ref, torch.float32, reduction)
-    assert torch.equal(metrics["predictions"], chunked_metrics["predictions"])
-
-
 def test_no_input_requires_grad(flce):
     hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=14, requires_grad=False)
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="sum")

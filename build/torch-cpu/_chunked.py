@@ -427,17 +427,6 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
         return out
 
-    # A forward without gradients in one sweep of the whole order, where the backend does so (and
-    # its statistics take at most twice a chunk's): the logit kernel bounds its rows by the count
-    # of rows with a loss on the device, so that the host reads nothing and the tiles fill whole
-    # waves of one launch. Rows past the count (ignored) keep placeholders, masked here.
-    if (not training and row_order is not None and shard is None and row_weight is None
-            and backend.counts_on_device() and n_rows <= 2 * chunk):
-        stats, _ = backend.row_stats(row_order.take(hidden, 0, n_rows), weight, bias, slice_targets, opts,
-                                     return_metrics=return_metrics, row_count=row_order.count)
-        finish(stats, 0, n_rows).lse.masked_fill_(targets == opts.ignore_index, 0.0)
-        return _forward_result(results, gradients.finish(hidden.dtype, bias), targets, opts, reduction, row_order,
-                               row_weight, return_metrics, f32)
     # Every row's reference and target logit in one launch, the rows read in place (the order's
     # ignored rows at its end too: they are not known yet), where the backend does so.
     references = None

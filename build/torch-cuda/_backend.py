@@ -34,18 +34,14 @@ class Backend(Protocol):
     def factored_gradient(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
         """Whether training chunks take the factored gradient (``FactoredBackend``)."""
 
-    def counts_on_device(self) -> bool:
-        """Whether ``row_stats`` takes a ``row_count`` on the device (one sweep of the forward)."""
-
     def row_stats(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, opts: LossOptions, shifted_out: torch.Tensor | None = None,
                   row_ref: torch.Tensor | None = None, loss_grad: torch.Tensor | None = None,
                   class_weight: torch.Tensor | None = None, target_logit: torch.Tensor | None = None,
-                  return_metrics: bool = False, row_count: torch.Tensor | None = None) -> tuple[RowStats, Any]:
+                  return_metrics: bool = False) -> tuple[RowStats, Any]:
         """Softmax statistics [rows] of hidden [rows, H] against weight [V, H] (+ bias [V]), and
         the state that ``grad_from_stored`` / ``row_factors`` take; ``shifted_out`` (a buffer)
-        keeps what the gradient is made from; ``row_count`` (where ``counts_on_device``) sweeps
-        only that many first rows."""
+        keeps what the gradient is made from."""
 
     def finalize(self, stats: RowStats, targets: torch.Tensor, opts: LossOptions, vocab_size: int,
                  out: RowResults, return_metrics: bool = False) -> None:

@@ -215,7 +215,6 @@ def _logit_tile_kernel(
     row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3)
     class_weight_ptr,  # [V] fp32 class weights             (HAS_CLASS_WEIGHT)
     smooth_grad_ptr,  # [n_rows] fp32                      (mode 2, HAS_CLASS_WEIGHT)
-    row_count_ptr,  # [1] int64: rows to compute, at most n_rows (COUNT_ON_DEVICE)
     # sizes
     n_rows,
     vocab_size,
@@ -254,7 +253,6 @@ def _logit_tile_kernel(
     HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
     EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
     PICK_TARGET: tl.constexpr = True,  # modes 0, 1: the tile holding a row's target writes its logit
-    COUNT_ON_DEVICE: tl.constexpr = False,  # only the first row_count rows: a bound the host never reads
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
@@ -267,12 +265,10 @@ def _logit_tile_kernel(
     exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
     target logit to the caller (``row_reference``'s). Tile ids go over the row blocks of a group
     of ``group_rows`` rows fastest, then over the vocabulary, then over the groups: the programs
-    running together share one weight tile in L2 while the group's hidden rows stay cached, and
-    one launch over several groups fills the waves that separate launches would leave short
-    (the tiles of the next group start where a group's last round has idle programs). With
-    COUNT_ON_DEVICE only the first row_count rows are computed (the grid is sized for n_rows).
-    Without PERSISTENT a program does one tile; with it, a fixed grid strides over the tiles in
-    one flattened loop, so that the loads of the next tile overlap the epilogue of the current one.
+    running together share one weight tile in L2 while the group's hidden rows stay cached (a
+    launch of more rows than L2 holds, ungrouped, re-reads them from memory). Without PERSISTENT
+    a program does one tile; with it, a fixed grid strides over the tiles in one flattened loop,
+    so that the loads of the next tile overlap the epilogue of the current one.
     """
     # Combinations the launch layer never makes, refused at compile time.
     tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
@@ -281,8 +277,6 @@ def _logit_tile_kernel(
     tl.static_assert(HAS_SMOOTHING or not HAS_CLASS_WEIGHT, "class weights enter the kernel with smoothing only")
     tl.static_assert(MODE != MODE_STATS_AND_EXP or not (HAS_BIAS or HAS_SOFTCAP or HAS_SMOOTHING or HAS_Z_LOSS),
                      "the factored gradient has one factor per row: no bias, softcap, smoothing or z-loss")
-    if COUNT_ON_DEVICE:  # rows past the count (ignored ones, ordered last) are neither computed nor stored
-        n_rows = tl.minimum(tl.load(row_count_ptr), n_rows).to(tl.int32)
     num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
     num_tiles = tl.cdiv(vocab_size, BLOCK_V)
     group_blocks = tl.cdiv(group_rows, BLOCK_N)

@@ -75,15 +75,13 @@ def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False, row_count=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
     buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
     (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
     the logit sum; ``return_metrics`` adds each row's entropy term and argmax. (``row_ref``,
-    ``loss_grad`` and ``target_logit`` belong to the factored gradient, and ``row_count`` to a
-    count on the device, which this backend never takes.)"""
-    if row_count is not None:
-        raise ValueError("the PyTorch backend plans its chunks from the count on the host")
+    ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this backend never
+    takes.)"""
     logits = _logits(hidden, weight, bias, opts, out=shifted_out)
     vocab_size = logits.shape[1]
     argmax = None
@@ -182,11 +180,6 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     row_grad = 1.0 / count.float() if mean else torch.ones(1, device=targets.device)
     loss_grad = torch.where(torch.arange(targets.shape[0], device=targets.device) < count, row_grad, 0.0)
     return order, targets[order].long(), count, loss_grad
-
-
-def counts_on_device() -> bool:
-    """Never here: the chunks are planned from the count on the host."""
-    return False
 
 
 def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:

@@ -214,9 +214,10 @@ L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows o
 def _group_rows(hidden: torch.Tensor) -> int:
     """Rows of a tile group of the logit kernel (FLCE_GROUP_ROWS, exploration): 4096, the
     forward's chunk, or fewer where their hidden rows pass L2_HIDDEN_BYTES, in whole 128-row
-    blocks. Measured on the H200 (perf notes, run 41): one group of 8192 rows costs 3-6% of a
-    forward against two chunks of 4096 on every main head (the hidden rows fall out of L2), and
-    so does one group of Gemma-2's 7405 rows (34 MB). Training chunks are one group."""
+    blocks. On the H200 (perf notes, run 41) one launch over 8192 rows in one group took 3-6%
+    more time than in groups of 4096 (the hidden rows fall out of L2), and a group of Gemma-2's
+    7405 rows (34 MB) as much. Training chunks are one group; the forward's chunks under
+    vocabulary parallelism (4096 rows a rank) and of fp32 inputs are several."""
     row_bytes = hidden.shape[1] * hidden.element_size()
     default = max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
     return env_int("FLCE_GROUP_ROWS", default)
@@ -224,7 +225,7 @@ def _group_rows(hidden: torch.Tensor) -> int:
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
-                        return_metrics=False, pick_target=True, row_count=None):
+                        return_metrics=False, pick_target=True):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
@@ -253,7 +254,6 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         row_ref if row_ref is not None else dummy,
         class_weight if class_weight is not None else dummy,
         smooth_grad if smooth_grad is not None else dummy,
-        row_count if row_count is not None else dummy,
         n_rows, vocab_size, hidden_size, _group_rows(hidden),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
@@ -274,7 +274,6 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
         PICK_TARGET=pick_target,
-        COUNT_ON_DEVICE=row_count is not None,
     )
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
@@ -297,13 +296,9 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
 
 
 def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_ref, loss_grad, class_weight,
-           target_logit, return_metrics, row_count=None):
+           target_logit, return_metrics):
     """The logit kernel over a chunk: (tile statistics, target_logit, tile width, tiles a row).
-    Disabled statistics get the dummy tensor. With ``row_count`` (int64 [1] on the device; the
-    statistics sweep only) the rows past the count keep finite placeholder statistics (tile max 0,
-    sum 1), which the caller masks."""
-    if row_count is not None and shifted_out is not None:
-        raise ValueError("a row count on the device is for the statistics sweep only")
+    Disabled statistics get the dummy tensor."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)  # once a chunk: the state carries it to the buffer's passes
@@ -311,15 +306,11 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     device = hidden.device
     acc_dtype = accumulation_dtype(hidden.dtype)
 
-    def tile_array(enabled, dtype=acc_dtype, placeholder=0):
-        if not enabled:
-            return _dummy(device)
-        if row_count is None:
-            return torch.empty((n_rows, num_tiles), device=device, dtype=dtype)
-        return torch.full((n_rows, num_tiles), placeholder, device=device, dtype=dtype)
+    def tile_array(enabled, dtype=acc_dtype):
+        return torch.empty((n_rows, num_tiles), device=device, dtype=dtype) if enabled else _dummy(device)
 
     tile_stats = (
-        tile_array(True), tile_array(True, placeholder=1), tile_array(return_metrics),
+        tile_array(True), tile_array(True), tile_array(return_metrics),
         tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
     if (row_ref is None) != (target_logit is None):  # mode 3 writes no target logit: it must come along
@@ -335,8 +326,7 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target,
-                        row_count=row_count)
+                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
     return tile_stats, target_logit, block_v, num_tiles
 
 
@@ -357,22 +347,19 @@ def _or_dummy(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False, row_count=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
     exponentials that ``row_factors`` turns into a factored gradient; the sweep leaves the
     target's logit to ``target_logit`` [rows] then (``row_reference``'s). Returns the stats and
     the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
     with label smoothing only) weights the logit sum; with ``return_metrics`` the stats carry
-    each row's entropy term and argmax too. With ``row_count`` (int64 [1] on the device, the
-    statistics alone) only that many first rows are swept; the others' statistics are finite
-    placeholders."""
+    each row's entropy term and argmax too."""
     n_rows = hidden.shape[0]
     device = hidden.device
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, bias, targets, opts, shifted_out, row_ref,
-                                                          loss_grad, class_weight, target_logit, return_metrics,
-                                                          row_count)
+                                                          loss_grad, class_weight, target_logit, return_metrics)
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32)
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
@@ -519,8 +506,7 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     (column 0 where the target is not a column of this weight) and z the final logit (bias, scale,
     softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do.
     With ``rows`` (int64 [rows]) row i is hidden[rows[i]]."""
-    n_rows = hidden.shape[0] if rows is None else rows.shape[0]
-    hidden_size = hidden.shape[1]
+    n_rows, hidden_size = (hidden.shape[0] if rows is None else rows.shape[0]), hidden.shape[1]
     out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
     target_logit = torch.empty_like(out)
     block_r, block_k = (32, 16) if interpreting() else (64, 64)
@@ -533,13 +519,6 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         num_warps=4,
     )
     return out, target_logit
-
-
-def counts_on_device() -> bool:
-    """Whether a forward without gradients sweeps every row of the order in one launch, the
-    logit kernel reading the count of rows with a loss from the device as its bound
-    (FLCE_DEVICE_COUNT=1), instead of chunks planned once the host has read it."""
-    return env_int("FLCE_DEVICE_COUNT", 0) != 0
 
 
 def reference_in_place() -> bool:
