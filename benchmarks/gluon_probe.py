@@ -1,0 +1,213 @@
+"""Exploration: would a warp-specialised logit kernel beat the Triton one? (perf notes, run 42)
+
+The forward's logit kernel runs its epilogue (tile max, exponentials, sums) after its products:
+Triton 3.6 does not warp-specialise on Hopper. Triton's lower-level Gluon dialect does
+(``gl.warp_specialize``), so this probe writes the forward's statistics sweep (mode 0: each
+(row, 128-column tile)'s max and sum of exp(z - max)) as a persistent "ping-pong" kernel: one
+producer warp loads hidden and weight tiles by TMA into two rings of shared-memory stages, and two
+consumer warpgroups take alternate 128 x 128 output tiles (a ring each), so that one's epilogue runs while the
+other's products do. It checks the statistics against a float64 reference and times it against
+the package's logit kernel (mode 0 through ``row_stats``) and cuBLAS's plain product.
+
+    python benchmarks/gluon_probe.py [--rows llama2,llama3] [--out probe.json]
+    PROBE_BK=32 PROBE_STAGES=6 python benchmarks/gluon_probe.py ...
+
+Not part of the package: the interpreter runs no Gluon, so CI could not test it.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS = {"llama2": (4096, 32000), "llama3": (4096, 128256)}  # (H, V), N = 8192 rows
+GROUP_ROWS = 4096
+# The kernel's shapes, as globals (a warp-specialised partition's arguments are values only);
+# PROBE_BK and PROBE_STAGES (stages a ring) set them at import: 64 x 3 by default, 32 x 6 fits too.
+BM, BN, GROUP_BLOCKS = gl.constexpr(128), gl.constexpr(128), gl.constexpr(GROUP_ROWS // 128)
+BK = gl.constexpr(int(os.environ.get("PROBE_BK", 64)))
+STAGES = gl.constexpr(int(os.environ.get("PROBE_STAGES", 3)))
+
+
+@gluon.jit
+def _tile_coords(tile_id, num_row_blocks, num_col_tiles):
+    """The logit kernel's order: row blocks of a group fastest, then columns, then groups."""
+    group = tile_id // (GROUP_BLOCKS * num_col_tiles)
+    first_block = group * GROUP_BLOCKS
+    blocks_in_group = gl.minimum(num_row_blocks - first_block, GROUP_BLOCKS)
+    in_group = tile_id - first_block * num_col_tiles
+    return first_block + in_group % blocks_in_group, in_group // blocks_in_group
+
+
+@gluon.jit
+def _producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_col_tiles, k_steps):
+    """One warp: every tile's K steps into its consumer's ring (tile j of this program: ring j % 2)."""
+    j = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
+        pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles)
+        ring = j % 2
+        for k in range(k_steps):
+            step = (j // 2) * k_steps + k  # of this ring
+            slot = ring * STAGES + step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # the slot's last use is done
+            mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
+            tma.async_copy_global_to_shared(h_desc, [pid_n * BM, k * BK], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [pid_v * BN, k * BK], ready.index(slot), b_bufs.index(slot))
+        j += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
+              k_steps, which: gl.constexpr):
+    """One warpgroup: the products and the epilogue of every other tile (``which`` = 0 or 1), from
+    its own ring of stages (a ring per consumer: a wait on a stage's parity is never two phases
+    ahead of it)."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    programs = gl.num_programs(0)
+    step = 0  # of this ring
+    for tile_id in range(gl.program_id(0) + which * programs, num_row_blocks * num_col_tiles, 2 * programs):
+        pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(k_steps):
+            slot = which * STAGES + step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous step's product is done: its slot goes back to the producer
+            mbarrier.arrive(empty.index(which * STAGES + (step + STAGES - 1) % STAGES), pred=k > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(which * STAGES + (step + STAGES - 1) % STAGES))
+        tile_max = gl.max(acc, axis=1)
+        sum_exp = gl.sum(gl.exp(acc - tile_max[:, None]), axis=1)
+        offs_n = pid_n * BM + gl.arange(0, BM, layout=row_layout)
+        stat = offs_n.to(gl.int64) * num_col_tiles + pid_v
+        gl.store(tile_max_ptr + stat, tile_max, mask=offs_n < n_rows)
+        gl.store(tile_sum_ptr + stat, sum_exp, mask=offs_n < n_rows)
+
+
+@gluon.jit
+def _consumer_0(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
+                k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
+              k_steps, 0)
+
+
+@gluon.jit
+def _consumer_1(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
+                k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
+              k_steps, 1)
+
+
+@gluon.jit
+def ping_pong_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size):
+    """Tile statistics [n_rows, V / BN] (max, sum of exp(z - max)) of hidden [n_rows, H] @ weight
+    [V, H].T, persistent: a producer warp and two consumer warpgroups."""
+    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, BK], h_desc.layout)  # two rings
+    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BN, BK], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2 * STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    num_row_blocks = gl.cdiv(n_rows, BM)
+    num_col_tiles = gl.cdiv(vocab_size, BN)
+    k_steps = gl.cdiv(hidden_size, BK)
+    consumer_args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                     num_col_tiles, k_steps)
+    gl.warp_specialize(
+        [(_consumer_0, consumer_args), (_consumer_1, consumer_args),
+         (_producer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_col_tiles, k_steps))],
+        [4, 1], [232, 40])
+
+
+def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor):
+    """(tile_max, tile_sum_exp) [n_rows, ceil(V / BN)] fp32 of bf16 hidden [n_rows, H], weight [V, H]."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    num_col_tiles = triton.cdiv(vocab_size, BN.value)
+    tile_max = torch.empty((n_rows, num_col_tiles), device=hidden.device, dtype=torch.float32)
+    tile_sum = torch.empty_like(tile_max)
+    block_h, block_w = [BM.value, BK.value], [BN.value, BK.value]
+    h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, gl.bfloat16))
+    programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    ping_pong_stats_kernel[(programs,)](h_desc, w_desc, tile_max, tile_sum, n_rows, vocab_size, hidden_size,
+                                        num_warps=4)
+    return tile_max, tile_sum
+
+
+def triton_stats(backend, hidden, weight, targets, opts):
+    """The package's logit kernel alone, mode 0 without the target pick: the same statistics."""
+    block_v = backend.tile_width(hidden.dtype)
+    num_tiles = triton.cdiv(weight.shape[0], block_v)
+    tile_max = torch.empty((hidden.shape[0], num_tiles), device=hidden.device)
+    tile_sum = torch.empty_like(tile_max)
+    dummy = backend._dummy(hidden.device)
+    backend._launch_logit_tiles(hidden, weight, None, targets, opts, mode=backend.K.MODE_STATS, block_v=block_v,
+                                out=None, tile_stats=(tile_max, tile_sum, dummy, dummy, dummy),
+                                target_logit=torch.empty(hidden.shape[0], device=hidden.device), pick_target=False)
+    return tile_max, tile_sum
+
+
+def measure(row: str, n_rows: int) -> dict:
+    """The probe's statistics against float64, and its time against the logit kernel's and cuBLAS's."""
+    from triton.testing import do_bench
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+    from fused_linear_ce import _options, _triton_backend
+
+    hidden_size, vocab_size = ROWS[row]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n_rows, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab_size, hidden_size, device="cuda", generator=gen) * 0.05).bfloat16()
+    targets = torch.randint(0, vocab_size, (n_rows,), device="cuda", generator=gen)
+    flops = 2 * n_rows * vocab_size * hidden_size
+    lse = torch.logsumexp(hidden.double() @ weight.double().T, dim=1)
+    rec = {"row": row, "n": n_rows}
+    opts = _options.LossOptions()
+    runs = {"gluon": lambda: ping_pong_stats(hidden, weight),
+            "triton": lambda: triton_stats(_triton_backend, hidden, weight, targets, opts),
+            "cublas": lambda: (hidden @ weight.T, None)}
+    for name, run in runs.items():
+        try:
+            tile_max, tile_sum = run()
+            if tile_sum is not None:
+                lse_tiles = (tile_max.double() + tile_sum.double().log()).logsumexp(dim=1)
+                rec[f"{name}_lse_max_abs_err"] = (lse_tiles - lse).abs().max().item()
+            ms = do_bench(run, warmup=1000, rep=1000, return_mode="median")
+            rec.update({f"{name}_ms": ms, f"{name}_tflops": flops / ms / 1e9})
+        except Exception as e:  # a failure is a result
+            rec[f"{name}_error"] = f"{type(e).__name__}: {e}"[:600]
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="llama2,llama3")
+    parser.add_argument("--n", type=int, default=4096, help="rows of the chunk (the forward's chunk)")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    records = []
+    for row in args.rows.split(","):
+        records.append(measure(row, args.n))
+        print(json.dumps(records[-1]), flush=True)
+    if args.out:
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "command": "python benchmarks/gluon_probe.py " + " ".join(sys.argv[1:])}
+        Path(args.out).write_text(json.dumps({"environment": env, "records": records}, indent=1))
+
+
+if __name__ == "__main__" and os.environ.get("TRITON_INTERPRET") != "1":
+    main()
