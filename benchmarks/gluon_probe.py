@@ -5,9 +5,13 @@ Triton 3.6 does not warp-specialise on Hopper. Triton's lower-level Gluon dialec
 (``gl.warp_specialize``), so this probe writes the forward's statistics sweep (mode 0: each
 (row, 128-column tile)'s max and sum of exp(z - max)) as a persistent "ping-pong" kernel: one
 producer warp loads hidden and weight tiles by TMA into two rings of shared-memory stages, and two
-consumer warpgroups take alternate 128 x 128 output tiles (a ring each), so that one's epilogue runs while the
-other's products do. It checks the statistics against a float64 reference and times it against
-the package's logit kernel (mode 0 through ``row_stats``) and cuBLAS's plain product.
+consumer warpgroups take alternate 128 x 128 output tiles (a ring each), so that one's epilogue
+runs while the other's products do. Run 42 measured that design ("gluon"): its single producer
+fills one ring's tile before the other's, so the consumers' products strictly alternate. The
+"dual" design gives each ring its own producer warp and starts consumer 1 half a tile after
+consumer 0, so that both compute at once and each epilogue falls under the other's products. The
+probe checks the statistics against a float64 reference and times both against the package's
+logit kernel (mode 0 alone, without the target pick) and cuBLAS's plain product.
 
     python benchmarks/gluon_probe.py [--rows llama2,llama3] [--out probe.json]
     PROBE_BK=32 PROBE_STAGES=6 python benchmarks/gluon_probe.py ...
@@ -65,11 +69,34 @@ def _producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-              k_steps, which: gl.constexpr):
+def _ring_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps,
+                   which: gl.constexpr):
+    """One warp of the "dual" design: the K steps of every other tile (``which``) into ring
+    ``which``. Ring 1 starts once consumer 0 is half way through its first tile, so that the two
+    consumers' epilogues fall half a tile apart, each under the other's products."""
+    programs = gl.num_programs(0)
+    num_tiles = num_row_blocks * num_col_tiles
+    first_tile = gl.program_id(0) + which * programs
+    if which == 1:
+        mbarrier.wait(start, 0, pred=first_tile < num_tiles)
+    step = 0  # of this ring
+    for tile_id in range(first_tile, num_tiles, 2 * programs):
+        pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles)
+        for k in range(k_steps):
+            slot = which * STAGES + step % STAGES
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
+            tma.async_copy_global_to_shared(h_desc, [pid_n * BM, k * BK], ready.index(slot), a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [pid_v * BN, k * BK], ready.index(slot), b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+              num_col_tiles, k_steps, which: gl.constexpr, DUAL: gl.constexpr):
     """One warpgroup: the products and the epilogue of every other tile (``which`` = 0 or 1), from
     its own ring of stages (a ring per consumer: a wait on a stage's parity is never two phases
-    ahead of it)."""
+    ahead of it). In the dual design consumer 0 signals ``start`` half way through its first tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -82,6 +109,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, 
             slot = which * STAGES + step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            if DUAL and which == 0:
+                mbarrier.arrive(start, pred=step == k_steps // 2)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             # the previous step's product is done: its slot goes back to the producer
             mbarrier.arrive(empty.index(which * STAGES + (step + STAGES - 1) % STAGES), pred=k > 0)
@@ -97,42 +126,77 @@ def _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, 
 
 
 @gluon.jit
-def _consumer_0(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-                k_steps):
-    _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-              k_steps, 0)
+def _consumer_0(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                num_col_tiles, k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+              num_col_tiles, k_steps, 0, False)
 
 
 @gluon.jit
-def _consumer_1(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-                k_steps):
-    _consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-              k_steps, 1)
+def _consumer_1(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                num_col_tiles, k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+              num_col_tiles, k_steps, 1, False)
 
 
 @gluon.jit
-def ping_pong_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size):
+def _dual_consumer_0(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                     num_col_tiles, k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+              num_col_tiles, k_steps, 0, True)
+
+
+@gluon.jit
+def _dual_consumer_1(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                     num_col_tiles, k_steps):
+    _consumer(a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+              num_col_tiles, k_steps, 1, True)
+
+
+@gluon.jit
+def _ring_producer_0(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps):
+    _ring_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps, 0)
+
+
+@gluon.jit
+def _ring_producer_1(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps):
+    _ring_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps, 1)
+
+
+@gluon.jit
+def ping_pong_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size,
+                           DUAL: gl.constexpr):
     """Tile statistics [n_rows, V / BN] (max, sum of exp(z - max)) of hidden [n_rows, H] @ weight
-    [V, H].T, persistent: a producer warp and two consumer warpgroups."""
+    [V, H].T, persistent: two consumer warpgroups and one producer warp (run 42's design) or, with
+    DUAL, a producer warp a consumer, consumer 1 half a tile behind consumer 0."""
     a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BM, BK], h_desc.layout)  # two rings
     b_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+    start = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(2 * STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(start, count=1)
     num_row_blocks = gl.cdiv(n_rows, BM)
     num_col_tiles = gl.cdiv(vocab_size, BN)
     k_steps = gl.cdiv(hidden_size, BK)
-    consumer_args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+    consumer_args = (a_bufs, b_bufs, ready, empty, start, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
                      num_col_tiles, k_steps)
-    gl.warp_specialize(
-        [(_consumer_0, consumer_args), (_consumer_1, consumer_args),
-         (_producer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_col_tiles, k_steps))],
-        [4, 1], [232, 40])
+    producer_args = (h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_blocks, num_col_tiles, k_steps)
+    if DUAL:
+        gl.warp_specialize(
+            [(_dual_consumer_0, consumer_args), (_dual_consumer_1, consumer_args),
+             (_ring_producer_0, producer_args), (_ring_producer_1, producer_args)],
+            [4, 1, 1], [232, 40, 40])
+    else:
+        gl.warp_specialize(
+            [(_consumer_0, consumer_args), (_consumer_1, consumer_args),
+             (_producer, (h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_col_tiles, k_steps))],
+            [4, 1], [232, 40])
 
 
-def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor):
+def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor, dual: bool = False):
     """(tile_max, tile_sum_exp) [n_rows, ceil(V / BN)] fp32 of bf16 hidden [n_rows, H], weight [V, H]."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -144,7 +208,7 @@ def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor):
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, gl.bfloat16))
     programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
     ping_pong_stats_kernel[(programs,)](h_desc, w_desc, tile_max, tile_sum, n_rows, vocab_size, hidden_size,
-                                        num_warps=4)
+                                        DUAL=dual, num_warps=4)
     return tile_max, tile_sum
 
 
@@ -178,6 +242,7 @@ def measure(row: str, n_rows: int) -> dict:
     rec = {"row": row, "n": n_rows}
     opts = _options.LossOptions()
     runs = {"gluon": lambda: ping_pong_stats(hidden, weight),
+            "gluon_dual": lambda: ping_pong_stats(hidden, weight, dual=True),
             "triton": lambda: triton_stats(_triton_backend, hidden, weight, targets, opts),
             "cublas": lambda: (hidden @ weight.T, None)}
     for name, run in runs.items():
