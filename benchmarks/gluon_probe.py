@@ -16,7 +16,9 @@ logit kernel (mode 0 alone, without the target pick) and cuBLAS's plain product.
     python benchmarks/gluon_probe.py [--rows llama2,llama3] [--out probe.json]
     PROBE_BK=32 PROBE_STAGES=6 python benchmarks/gluon_probe.py ...
 
-Not part of the package: the interpreter runs no Gluon, so CI could not test it.
+Not part of the package: the interpreter runs no Gluon, so CI could not test it. Written for
+Triton 3.6's Gluon (the H200's; compiled for sm_90 on the CPU with it): the dialect is
+experimental and moves (Triton 3.9 renames the TMA copies, for one).
 """
 
 import argparse
