@@ -54,19 +54,23 @@ def _tile_coords(tile_id, num_row_blocks, num_col_tiles):
 
 
 @gluon.jit
+def _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, ring, step, pid_n, pid_v, k):
+    """Step ``step`` of ring ``ring``: K step k of tile (pid_n, pid_v), once the slot's last use is done."""
+    slot = ring * STAGES + step % STAGES
+    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
+    tma.async_copy_global_to_shared(h_desc, [pid_n * BM, k * BK], ready.index(slot), a_bufs.index(slot))
+    tma.async_copy_global_to_shared(w_desc, [pid_v * BN, k * BK], ready.index(slot), b_bufs.index(slot))
+
+
+@gluon.jit
 def _producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, num_row_blocks, num_col_tiles, k_steps):
     """One warp: every tile's K steps into its consumer's ring (tile j of this program: ring j % 2)."""
     j = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
         pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles)
-        ring = j % 2
         for k in range(k_steps):
-            step = (j // 2) * k_steps + k  # of this ring
-            slot = ring * STAGES + step % STAGES
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # the slot's last use is done
-            mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
-            tma.async_copy_global_to_shared(h_desc, [pid_n * BM, k * BK], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [pid_v * BN, k * BK], ready.index(slot), b_bufs.index(slot))
+            _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, j % 2, (j // 2) * k_steps + k, pid_n, pid_v, k)
         j += 1
 
 
@@ -85,11 +89,7 @@ def _ring_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, start, num_row_
     for tile_id in range(first_tile, num_tiles, 2 * programs):
         pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles)
         for k in range(k_steps):
-            slot = which * STAGES + step % STAGES
-            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), (BM + BN) * BK * 2)
-            tma.async_copy_global_to_shared(h_desc, [pid_n * BM, k * BK], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [pid_v * BN, k * BK], ready.index(slot), b_bufs.index(slot))
+            _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, which, step, pid_n, pid_v, k)
             step += 1
 
 

@@ -892,7 +892,7 @@ def _picked_logit_dot_kernel(
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
     targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
-    out_ptr,  # [n_rows] fp32 out: z at column c (s * hidden_i . weight_c without bias or softcap)
+    out_ptr,  # [n_rows] fp32 out: z at column c (s * hidden_i . weight_c, then bias and softcap)
     target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
     bias_ptr,  # [V]                                   (HAS_BIAS)
     rows_ptr,  # [n_rows] int64: row i is hidden[rows[i]] (HAS_ROWS; else hidden[i])

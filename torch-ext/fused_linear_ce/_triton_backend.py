@@ -491,13 +491,19 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, ordered_targets, count, loss_grad
 
 
+def _tensor_core_target() -> bool:
+    """Whether target logits come from ``_picked_logit_dot_kernel`` (FLCE_TILE_TARGET, default 1)
+    instead of the tiles' pick (statistics sweeps) and the exact dot product (references)."""
+    return env_int("FLCE_TILE_TARGET", 1) != 0
+
+
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, perf notes, run 36). Not for fp64 inputs (the product
     sums in fp32), nor with FLCE_TILE_TARGET=0."""
-    return hidden.dtype != torch.float64 and env_int("FLCE_TILE_TARGET", 1) != 0
+    return hidden.dtype != torch.float64 and _tensor_core_target()
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -527,7 +533,7 @@ def reference_in_place() -> bool:
     target logit; FLCE_PICK_ONCE=0: one launch a chunk). A chunk of 1536 rows gave the product
     24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five launches, 0.042 in one
     (perf notes, run 40)."""
-    return env_int("FLCE_PICK_ONCE", 1) != 0 and env_int("FLCE_TILE_TARGET", 1) != 0
+    return env_int("FLCE_PICK_ONCE", 1) != 0 and _tensor_core_target()
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -538,7 +544,7 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     these columns. B is a lower bound of the row's max; a row whose max passes it by more than
     the gap (a target of probability below e^-40) is moved to its max by ``row_factors``. With
     ``rows`` (int64, where ``reference_in_place``) row i is hidden[rows[i]]."""
-    if env_int("FLCE_TILE_TARGET", 1) != 0:  # the logit from a tensor-core product, as the tiles'
+    if _tensor_core_target():  # the logit from a tensor-core product, as the tiles'
         return _picked_logits(hidden, weight, targets, opts, rows=rows)
     if rows is not None:
         raise ValueError("row_reference reads rows in place only from the tensor-core product")
