@@ -247,6 +247,25 @@ def _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, tile_id, k, n
 
 
 @gluon.jit
+def _coop_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows,
+                   num_row_blocks, num_col_tiles, k_steps, group_blocks):
+    """A producer warp (PROBE_PRODUCER=1, NC = 2 only: 9 warps launch at 168 registers): every step's loads."""
+    step = 0
+    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
+        for k in range(k_steps):
+            _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, tile_id, k, num_row_blocks,
+                       num_col_tiles, group_blocks)
+            step += 1
+
+
+@gluon.jit
+def _coop_consumer_0(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                     num_col_tiles, k_steps, group_blocks):
+    _coop_consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
+                   num_col_tiles, k_steps, group_blocks, 0)
+
+
+@gluon.jit
 def _coop_loading_consumer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows,
                            num_row_blocks, num_col_tiles, k_steps, group_blocks):
     """Consumer 0 (the default partition), which also loads each stage CSTAGES - 1 steps ahead."""
@@ -357,10 +376,14 @@ def coop_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_
     if NC == 3:
         gl.warp_specialize([(_coop_loading_consumer, first_args), (_coop_consumer_1, args),
                             (_coop_consumer_2, args)], [4, 4], [168, 168])
+    elif PRODUCER:
+        gl.warp_specialize([(_coop_consumer_0, args), (_coop_consumer_1, args), (_coop_producer, first_args)],
+                           [4, 1], [168, 40])
     else:
         gl.warp_specialize([(_coop_loading_consumer, first_args), (_coop_consumer_1, args)], [4], [232])
 
 
+PRODUCER = gl.constexpr(os.environ.get("PROBE_PRODUCER") == "1")
 COOP_GROUP_BLOCKS = gl.constexpr(GROUP_ROWS // (NC.value * CM.value))
 
 
@@ -374,6 +397,8 @@ def coop_stats(hidden: torch.Tensor, weight: torch.Tensor):
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, gl.bfloat16))
     programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
+    if os.environ.get("PROBE_GRID") == "tiles":  # a program a tile: the hardware's dynamic schedule
+        programs = triton.cdiv(n_rows, NC.value * CM.value) * tile_max.shape[1]
     coop_stats_kernel[(programs,)](h_desc, w_desc, tile_max, tile_sum, n_rows, vocab_size, hidden_size,
                                    num_warps=4)
     return tile_max, tile_sum
@@ -392,7 +417,7 @@ def triton_stats(backend, hidden, weight, targets, opts):
     return tile_max, tile_sum
 
 
-def measure(row: str, n_rows: int, designs: list[str]) -> dict:
+def measure(row: str, n_rows: int, designs: list[str], triton_configs: list[str]) -> dict:
     """The probe's statistics against float64, and its time against the logit kernel's and cuBLAS's."""
     from triton.testing import do_bench
 
@@ -413,8 +438,19 @@ def measure(row: str, n_rows: int, designs: list[str]) -> dict:
             f"gluon_coop{NC.value}": lambda: coop_stats(hidden, weight),
             "triton": lambda: triton_stats(_triton_backend, hidden, weight, targets, opts),
             "cublas": lambda: (hidden @ weight.T, None)}
+    def forced(config):  # the logit kernel in one configuration ("BLOCK_N,BLOCK_K,warps,stages,persistent")
+        def run():
+            os.environ["FLCE_CONFIG"] = config
+            try:
+                return triton_stats(_triton_backend, hidden, weight, targets, opts)
+            finally:
+                del os.environ["FLCE_CONFIG"]
+        return run
+
+    for config in triton_configs:
+        runs[f"triton_{config.replace(',', '_')}"] = forced(config)
     for name, run in runs.items():
-        if designs and name not in designs:
+        if designs and name not in designs and not name.startswith("triton_"):
             continue
         try:
             tile_max, tile_sum = run()
@@ -425,6 +461,7 @@ def measure(row: str, n_rows: int, designs: list[str]) -> dict:
             rec.update({f"{name}_ms": ms, f"{name}_tflops": flops / ms / 1e9})
         except Exception as e:  # a failure is a result
             rec[f"{name}_error"] = f"{type(e).__name__}: {e}"[:600]
+    rec["triton_autotuned"] = [str(c) for c in _triton_backend._chosen.values()]
     return rec
 
 
@@ -434,15 +471,19 @@ def main():
     parser.add_argument("--n", type=int, default=4096, help="rows of the chunk (the forward's chunk)")
     parser.add_argument("--designs", default="", help="comma-separated subset of gluon, gluon_dual, gluon_coop2/3, "
                         "triton, cublas (default: all)")
+    parser.add_argument("--triton-configs", default="",
+                        help="';'-separated FLCE_CONFIG values to time the logit kernel in")
     parser.add_argument("--out")
     args = parser.parse_args()
     records = []
     for row in args.rows.split(","):
-        records.append(measure(row, args.n, [d for d in args.designs.split(",") if d]))
+        records.append(measure(row, args.n, [d for d in args.designs.split(",") if d],
+                               [c for c in args.triton_configs.split(";") if c]))
         print(json.dumps(records[-1]), flush=True)
     if args.out:
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("PROBE_")]
+               "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items())
+                                    if k.startswith(("PROBE_", "FLCE_"))]
                                    + ["python benchmarks/gluon_probe.py"] + sys.argv[1:])}
         Path(args.out).write_text(json.dumps({"environment": env, "records": records}, indent=1))
 
