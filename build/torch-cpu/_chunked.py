@@ -145,22 +145,23 @@ def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str
     return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean")
 
 
-def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool) -> int:
+def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool,
+                      row_block: int = 128) -> int:
     """Rows of the first chunk, computed before the count of rows with a loss is known. When
     every row fits in one chunk but rows are skipped, a forward without gradients (which has no
-    per-chunk accumulation to pay for) computes half of them first, so that the ignored rows of
-    the other half are left out."""
+    per-chunk accumulation to pay for) computes half of them first (in whole ``row_block``s),
+    so that the ignored rows of the other half are left out."""
     first = min(chunk, n_rows)
     split = env_int("FLCE_SPLIT_FIRST", 1) == 1  # 0: no split (exploration)
     if split and row_order is not None and not training and first == n_rows and n_rows >= 2048:
-        first = _cdiv(_cdiv(n_rows, 2), 128) * 128
+        first = _cdiv(_cdiv(n_rows, 2), row_block) * row_block
     return first
 
 
-def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None, first: int):
+def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None, first: int, row_block: int = 128):
     """[start, end) of each chunk: a first chunk of ``first`` rows, then the rows that
     ``row_order`` computes (asked once the first chunk's work is queued), spread evenly over
-    chunks of at most ``chunk`` rows, in multiples of 128 (whole row blocks)."""
+    chunks of at most ``chunk`` rows, in multiples of ``row_block`` (whole row blocks)."""
     if first == 0:
         return
     yield 0, first
@@ -168,7 +169,7 @@ def _spans(n_rows: int, chunk: int, row_order: _RowOrder | None, first: int):
     rest = total - first
     if rest > 0:
         per_chunk = _cdiv(rest, _cdiv(rest, chunk))
-        per_chunk = min(chunk, _cdiv(per_chunk, 128) * 128)
+        per_chunk = min(chunk, _cdiv(per_chunk, row_block) * row_block)
         for start in range(first, total, per_chunk):
             yield start, min(total, start + per_chunk)
 
@@ -280,14 +281,15 @@ def _concat_stats(chunks: list[RowStats]) -> RowStats:
 
 
 def _plan_chunk(backend, n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, training: bool,
-                shard: Shard | None, spread: bool = True) -> int:
+                shard: Shard | None, spread: bool = True, row_block: int = 128) -> int:
     """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed).
     Without ``spread`` the largest chunk: when ignored rows are skipped, ``n_rows`` overstates
     the rows to compute, and spreading it evenly would plan more chunks than they need."""
     if shard is None:
-        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread, hidden_size=hidden_size)
+        return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread, hidden_size=hidden_size,
+                                  row_block=row_block)
     return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size,
-                              spread=spread, hidden_size=hidden_size)
+                              spread=spread, hidden_size=hidden_size, row_block=row_block)
 
 
 def _new_weight_grad(vocab_size, hidden_size, hidden, chunk, n_chunks):
@@ -388,9 +390,12 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
     row_order = _row_order(backend, targets, opts, reduction, all_rows)
+    # Under vocabulary parallelism every rank plans the same chunks: the 128-row blocks of all.
+    row_block = 128 if shard is not None else backend.row_block(hidden.dtype, opts, bias is not None, training,
+                                                                return_metrics, device)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden_size, hidden.dtype, training, shard,
-                        spread=row_order is None)
-    first = _first_chunk_rows(n_rows, chunk, row_order, training)
+                        spread=row_order is None, row_block=row_block)
+    first = _first_chunk_rows(n_rows, chunk, row_order, training, row_block)
     if row_order is not None:
         targets = row_order.targets
     results = _new_results(n_rows, return_metrics, f32)
@@ -434,7 +439,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         references = backend.row_reference(hidden, weight, slice_targets, opts,
                                            rows=None if row_order is None else row_order.order)
     computed = 0
-    for start, end in _spans(n_rows, chunk, row_order, first):
+    for start, end in _spans(n_rows, chunk, row_order, first, row_block):
         computed = end
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
         targets_c = slice_targets[start:end]

@@ -101,7 +101,7 @@ def tile_width(dtype: torch.dtype) -> int:
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0) -> int:
+               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
     set within a quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows):
@@ -112,7 +112,8 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
     ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
     last chunk runs at a loss; without it (the rows to compute are not known yet) the
-    largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows."""
+    largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows.
+    A forward's chunks are whole ``row_block``s (``row_block``: the sweep's rows a tile)."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
@@ -123,12 +124,29 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
+        most = max(row_block, most // row_block * row_block)
     if n_rows <= most:
         return max(1, n_rows)
     if not spread:
         return most
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
-    return min(most, triton.cdiv(per_chunk, 128) * 128)
+    block = 128 if training else row_block
+    return min(most, triton.cdiv(per_chunk, block) * block)
+
+
+def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
+              device: torch.device) -> int:
+    """Rows a tile of the forward's statistics sweeps, in which its chunks are planned: 192
+    where ``_gluon_stats`` computes them (a forward without gradients or metrics of plain
+    logits in 16 bits on Hopper), 128 (the logit kernel's) elsewhere."""
+    if training or return_metrics or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
+        return 128
+    if has_bias or not _plain_logits(opts, None) or not _target_logit_by_product_for(dtype):
+        return 128
+    gluon = _gluon_stats_module()
+    if gluon is None or tile_width(dtype) != gluon.BLOCK_V.value or not gluon.device_applies(device):
+        return 128
+    return gluon.BLOCK_N
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -324,10 +342,39 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
+    gluon = _gluon_stats_module() if mode == K.MODE_STATS and not pick_target and not return_metrics else None
+    if gluon is not None and _plain_logits(opts, bias) and block_v == gluon.BLOCK_V.value \
+            and gluon.applies(hidden, weight):
+        gluon.tile_stats(hidden, weight, tile_stats[0], tile_stats[1], _group_rows(hidden), _max_programs(device))
+        return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
                         class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
     return tile_stats, target_logit, block_v, num_tiles
+
+
+def _plain_logits(opts: LossOptions, bias) -> bool:
+    """Whether the forward's statistics need the logits z = h W^T alone: no bias, logit scale,
+    softcap or smoothing's logit sum (z-loss enters only the loss and the gradient)."""
+    return bias is None and float(opts.logit_scale) == 1.0 and not opts.has_softcap and not opts.has_smoothing
+
+
+_gluon_stats = None
+
+
+def _gluon_stats_module():
+    """``_gluon_stats`` (the forward's statistics in Gluon, for Hopper), or None where it cannot
+    run: in the interpreter, or with a Triton whose Gluon lacks the names it uses."""
+    global _gluon_stats
+    if _gluon_stats is None:
+        _gluon_stats = False
+        if not interpreting():
+            try:
+                from . import _gluon_stats as module
+                _gluon_stats = module
+            except Exception:  # no Gluon, or another Triton's (an experimental API): the logit kernel
+                pass
+    return _gluon_stats or None
 
 
 def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics: bool, f32: dict) -> RowStats:
@@ -497,13 +544,17 @@ def _tensor_core_target() -> bool:
     return env_int("FLCE_TILE_TARGET", 1) != 0
 
 
+def _target_logit_by_product_for(dtype: torch.dtype) -> bool:
+    return dtype != torch.float64 and _tensor_core_target()
+
+
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, perf notes, run 36). Not for fp64 inputs (the product
     sums in fp32), nor with FLCE_TILE_TARGET=0."""
-    return hidden.dtype != torch.float64 and _tensor_core_target()
+    return _target_logit_by_product_for(hidden.dtype)
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,

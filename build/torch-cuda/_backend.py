@@ -20,8 +20,13 @@ from ._options import LossOptions, RowResults, RowStats
 @runtime_checkable
 class Backend(Protocol):
     def chunk_rows(self, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-                   spread: bool = True, hidden_size: int = 0) -> int:
-        """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk."""
+                   spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
+        """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk; a
+        forward's in whole ``row_block``s."""
+
+    def row_block(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool,
+                  return_metrics: bool, device: torch.device) -> int:
+        """Rows a tile of this call's statistics sweeps (128 or more): chunks are planned in them."""
 
     def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the

@@ -17,16 +17,22 @@ _BLOCK_ELEMENTS = 2**20
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0) -> int:
+               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
     inputs, the grad logits cast to that dtype stay under FLCE_BUFFER_MIB together (a vocabulary
     slice of one of ``shards`` ranks: ``shards`` times the rows). The largest such chunk, with
     or without ``spread`` (the chunk loop's planning hint, which this backend needs not), for
-    any ``hidden_size``."""
+    any ``hidden_size`` and ``row_block``."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
     acc_size = accumulation_dtype(dtype).itemsize
     bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))
     return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // bytes_per_row))
+
+
+def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
+              device: torch.device) -> int:
+    """Rows in which the forward's chunks are planned: 128 (this backend has no tiles)."""
+    return 128
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

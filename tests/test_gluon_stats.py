@@ -1,0 +1,101 @@
+"""The forward's statistics in Gluon (``_gluon_stats``), on a Hopper GPU: the same tile statistics as
+float64's, and the forward that takes them (chunks in whole 192-row tiles) the same losses.
+
+The interpreter runs no Gluon, so these run on an H100 / H200 only; on any machine
+``test_hopper_compile.py`` compiles the kernel for sm_90."""
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES_16, assert_rel, env, make_inputs, submodule, tolerance
+from reference import reference
+
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not HOPPER, reason="Gluon's warp-specialised wgmma kernel runs on sm_90 only")
+
+
+def _float64_tile_stats(hidden, weight, block_v=256):
+    """Each (row, block_v-column tile)'s max and log of sum of exp(z - max), in float64."""
+    z = hidden.double() @ weight.double().T
+    pad = -z.shape[1] % block_v
+    z = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(z.shape[0], -1, block_v)
+    tile_max = z.amax(dim=2)
+    return tile_max, (z - tile_max[..., None]).exp().sum(dim=2).log()
+
+
+@pytest.mark.parametrize("dtype", DTYPES_16)
+@pytest.mark.parametrize("n, h, v, group_rows, programs", [
+    (192, 64, 256, 4096, 132),  # one tile
+    (1000, 256, 1000, 4096, 132),  # partial row block and vocabulary tile (columns masked)
+    (2500, 512, 2048, 384, 7),  # groups of two row blocks, a few programs looping over many tiles
+    (4032, 128, 32000, 4032, 132),  # the forward's chunk of Llama-2's vocabulary
+])
+def test_tile_statistics_match_float64(flce, dtype, n, h, v, group_rows, programs):
+    gluon = submodule(flce, "_gluon_stats")
+    hidden, weight, _, _ = make_inputs(n, h, v, dtype, seed=n + v, scale=8.0, requires_grad=False)
+    tiles = -(-v // 256)
+    tile_max = torch.full((n, tiles), float("nan"), device=DEVICE)
+    tile_sum = torch.full((n, tiles), float("nan"), device=DEVICE)
+    gluon.tile_stats(hidden, weight, tile_max, tile_sum, group_rows, programs)
+    expected_max, expected_log_sum = _float64_tile_stats(hidden, weight)
+    # fp32 sums of h products of 16-bit inputs (exact products): the rounding of a sum of h
+    # terms is at most h * 2^-24 of the sum of their magnitudes; every entry must be written.
+    bound = h * 2.0**-24 * (hidden.double().abs() @ weight.double().abs().T).max().item()
+    assert not tile_max.isnan().any() and not tile_sum.isnan().any()
+    assert (tile_max.double().cpu() - expected_max.cpu()).abs().max().item() <= bound
+    # log sum exp(z - max): the logits' rounding (twice: z and max) plus the exponentials' and
+    # the sum's fp32 rounding (256 terms, each at most 1).
+    log_sum_bound = 2 * bound + 256 * 2.0**-22
+    assert (tile_sum.log().double().cpu() - expected_log_sum.cpu()).abs().max().item() <= log_sum_bound
+
+
+def _spy_gluon(monkeypatch, flce):
+    """Counts the launches of the Gluon statistics kernel and records the rows of each."""
+    gluon = submodule(flce, "_gluon_stats")
+    rows, original = [], gluon.tile_stats
+
+    def spy(hidden, *args):
+        rows.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(gluon, "tile_stats", spy)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES_16)
+def test_the_forward_takes_the_gluon_statistics_in_whole_tiles(flce, monkeypatch, dtype):
+    """A forward without gradients of plain logits: its chunks are whole 192-row tiles (but the
+    last), its statistics come from the Gluon kernel, and its losses are float64's; with
+    FLCE_GLUON=0 the logit kernel computes the same losses."""
+    n, h, v = 9000, 128, 1000
+    hidden, weight, targets, _ = make_inputs(n, h, v, dtype, seed=7, ignore=0.1, requires_grad=False)
+    expected = reference(hidden, weight, targets, reduction="none").loss
+    rows = _spy_gluon(monkeypatch, flce)
+    with torch.no_grad():
+        losses = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    assert len(rows) >= 2 and all(r % 192 == 0 for r in rows[:-1]) and max(rows) <= 4032
+    assert sum(rows) == int((targets != -100).sum())  # the ignored rows are skipped
+    assert_rel(losses, expected, tolerance(dtype, "loss"), "loss, Gluon statistics")
+    rows.clear()
+    with env(FLCE_GLUON="0"), torch.no_grad():
+        losses_triton = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    assert rows == []
+    assert_rel(losses_triton, expected, tolerance(dtype, "loss"), "loss, logit kernel")
+
+
+@pytest.mark.parametrize("options", [
+    dict(return_metrics=True), dict(softcap=30.0), dict(logit_scale=0.5), dict(label_smoothing=0.1), dict(bias=True),
+])
+def test_the_gluon_statistics_leave_other_forwards_to_the_logit_kernel(flce, monkeypatch, options):
+    """Metrics, softcap, a logit scale, smoothing's logit sum and a bias need the logit
+    kernel's epilogue: the Gluon kernel is not launched, and the losses are float64's."""
+    options = dict(options)
+    hidden, weight, targets, bias = make_inputs(600, 64, 500, torch.bfloat16, seed=3, bias=options.pop("bias", False),
+                                                requires_grad=False)
+    rows = _spy_gluon(monkeypatch, flce)
+    with torch.no_grad():
+        out = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none", **options)
+    losses = out[0] if isinstance(out, tuple) else out
+    reference_options = {k: val for k, val in options.items() if k != "return_metrics"}
+    expected = reference(hidden, weight, targets, bias, reduction="none", **reference_options).loss
+    assert rows == []
+    assert_rel(losses, expected, tolerance(torch.bfloat16, "loss"), f"loss with {options}")
