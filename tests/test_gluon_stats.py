@@ -13,6 +13,13 @@ HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="Gluon's warp-specialised wgmma kernel runs on sm_90 only")
 
 
+def _gluon(flce):
+    """The loaded kernel's ``_gluon_stats`` (imported by the Triton backend on first use)."""
+    module = submodule(flce, "_triton_backend")._gluon_stats_module()
+    assert module is not None, "sm_90 with this Triton: the Gluon module must load"
+    return module
+
+
 def _float64_tile_stats(hidden, weight, block_v=256):
     """Each (row, block_v-column tile)'s max and log of sum of exp(z - max), in float64."""
     z = hidden.double() @ weight.double().T
@@ -30,7 +37,7 @@ def _float64_tile_stats(hidden, weight, block_v=256):
     (4032, 128, 32000, 4032, 132),  # the forward's chunk of Llama-2's vocabulary
 ])
 def test_tile_statistics_match_float64(flce, dtype, n, h, v, group_rows, programs):
-    gluon = submodule(flce, "_gluon_stats")
+    gluon = _gluon(flce)
     hidden, weight, _, _ = make_inputs(n, h, v, dtype, seed=n + v, scale=8.0, requires_grad=False)
     tiles = -(-v // 256)
     tile_max = torch.full((n, tiles), float("nan"), device=DEVICE)
@@ -50,7 +57,7 @@ def test_tile_statistics_match_float64(flce, dtype, n, h, v, group_rows, program
 
 def _spy_gluon(monkeypatch, flce):
     """Counts the launches of the Gluon statistics kernel and records the rows of each."""
-    gluon = submodule(flce, "_gluon_stats")
+    gluon = _gluon(flce)
     rows, original = [], gluon.tile_stats
 
     def spy(hidden, *args):
@@ -99,3 +106,24 @@ def test_the_gluon_statistics_leave_other_forwards_to_the_logit_kernel(flce, mon
     expected = reference(hidden, weight, targets, bias, reduction="none", **reference_options).loss
     assert rows == []
     assert_rel(losses, expected, tolerance(torch.bfloat16, "loss"), f"loss with {options}")
+
+
+def test_a_gluon_kernel_that_fails_to_launch_leaves_the_forward_to_the_logit_kernel(flce, monkeypatch):
+    """Gluon is experimental: where another Triton refuses the kernel, its first launch warns
+    and the logit kernel computes the forward (the same losses), from then on."""
+    backend = submodule(flce, "_triton_backend")
+    gluon = _gluon(flce)
+    monkeypatch.setattr(backend, "_gluon_compiled", set())
+    monkeypatch.setattr(backend, "_gluon_stats", gluon)  # restored after the test
+
+    def refuse(*args):
+        raise RuntimeError("a Gluon this kernel was not written for")
+
+    monkeypatch.setattr(gluon, "tile_stats", refuse)
+    hidden, weight, targets, _ = make_inputs(600, 64, 500, torch.bfloat16, seed=5, requires_grad=False)
+    with pytest.warns(UserWarning, match="Gluon statistics kernel failed"), torch.no_grad():
+        losses = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    assert backend._gluon_stats_module() is None
+    assert backend.row_block(torch.bfloat16, backend.LossOptions(), False, False, False, hidden.device) == 128
+    expected = reference(hidden, weight, targets, reduction="none").loss
+    assert_rel(losses, expected, tolerance(torch.bfloat16, "loss"), "loss after the fallback")

@@ -5,6 +5,7 @@ One call handles one chunk of rows; the chunk loop and the matrix products live 
 """
 
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -344,8 +345,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     gluon = _gluon_stats_module() if mode == K.MODE_STATS and not pick_target and not return_metrics else None
     if gluon is not None and _plain_logits(opts, bias) and block_v == gluon.BLOCK_V.value \
-            and gluon.applies(hidden, weight):
-        gluon.tile_stats(hidden, weight, tile_stats[0], tile_stats[1], _group_rows(hidden), _max_programs(device))
+            and gluon.applies(hidden, weight) \
+            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
@@ -375,6 +376,28 @@ def _gluon_stats_module():
             except Exception:  # no Gluon, or another Triton's (an experimental API): the logit kernel
                 pass
     return _gluon_stats or None
+
+
+_gluon_compiled: set[tuple] = set()
+
+
+def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device) -> bool:
+    """Launches ``_gluon_stats``' kernel; False (and the logit kernel from then on, with a
+    warning) if its first launch of a specialisation fails: Gluon is experimental, and another
+    Triton's may refuse this code where the logit kernel's language does not move."""
+    global _gluon_stats
+    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, device)
+    try:
+        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device))
+    except Exception as error:
+        if key in _gluon_compiled:  # it ran before: a failure of the launch itself
+            raise
+        warnings.warn(f"fused-linear-ce: the Gluon statistics kernel failed to launch with Triton "
+                      f"{triton.__version__} ({type(error).__name__}); using the Triton logit kernel", stacklevel=2)
+        _gluon_stats = False
+        return False
+    _gluon_compiled.add(key)
+    return True
 
 
 def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics: bool, f32: dict) -> RowStats:
