@@ -35,14 +35,22 @@ REQUIREMENTS_MARK = "<!-- REQUIREMENTS -->"
 
 
 def load():
-    """Latest result per (row, inputs, method) over the recorded runs, with its environment."""
+    """Latest result per (row, inputs, method) over the recorded runs (in the order of their
+    dates), with its environment; a result without a step anatomy keeps the latest one traced
+    (``_anatomy_file`` says from which run)."""
     runs, latest = [], {}
-    for path in sorted(RESULTS.glob("h200-*.json")):
-        data = json.loads(path.read_text())
+    paths = sorted(RESULTS.glob("h200-*.json"))
+    for path, data in sorted(((p, json.loads(p.read_text())) for p in paths),
+                             key=lambda item: item[1]["environment"]["date"]):
         runs.append((path.name, data))
         for r in data["results"]:
-            latest[(r["row"], r["inputs"], r["method"])] = {**r, "_file": path.name,
-                                                             "_matmul": data.get("matmul_tflops")}
+            key = (r["row"], r["inputs"], r["method"])
+            r = {**r, "_file": path.name, "_matmul": data.get("matmul_tflops")}
+            if "anatomy" not in r and "anatomy" in latest.get(key, {}):
+                r.update(anatomy=latest[key]["anatomy"], _anatomy_file=latest[key].get("_anatomy_file"))
+            elif "anatomy" in r:
+                r["_anatomy_file"] = path.name
+            latest[key] = r
     return runs, latest
 
 
@@ -258,6 +266,7 @@ def anatomy_table(latest, rows, inputs="lm"):
             tflops = 6 * rows_computed * r["vocab_size"] * r["hidden_size"] / products / 1e9 if products else None
             largest = ", ".join(f"`{name[:32]}` {ms:.2f}" for name, ms in list(kernels.items())[:4])
             name = f"**{method}**" if method == OURS else method
+            name += f" ({r['_anatomy_file']})"
             lines.append(f"| {row}, {r['n_tokens']} | {name} | {a['span_ms']:.2f} | {a['busy_ms']:.2f} "
                          f"({a['busy_ms'] / a['span_ms']:.0%}) | {products:.2f} ({fmt(tflops, '.0f')}) | "
                          f"{others:.2f} | {largest} |")
@@ -357,7 +366,8 @@ def summary(latest):
                  f"count includes.")
     text += (" A step is three matrix products the size of the logits: the logit product is a Triton kernel with "
              "the softmax in its epilogue, the two gradient products are cuBLAS's, with the softmax's factors "
-             "applied on their small side.")
+             "applied on their small side. An evaluation forward's statistics come from a Gluon kernel of "
+             "192 × 256 tiles on Hopper.")
     walls = [r["wall_s"] for (row, inputs, method), r in latest.items() if method == OURS and "wall_s" in r]
     if walls:
         text += (f"\n\nThe first call for a given (H, V, dtype, flags) in a process pays for Triton compilation and "
