@@ -1,4 +1,4 @@
-"""Exploration: would a warp-specialised logit kernel beat the Triton one? (perf notes, run 42)
+"""Exploration: would a warp-specialised logit kernel beat the Triton one? (perf notes, runs 42-43)
 
 The forward's logit kernel runs its epilogue (tile max, exponentials, sums) after its products:
 Triton 3.6 does not warp-specialise on Hopper. Triton's lower-level Gluon dialect does
@@ -9,13 +9,17 @@ consumer warpgroups take alternate 128 x 128 output tiles (a ring each), so that
 runs while the other's products do. Run 42 measured that design ("gluon"): its single producer
 fills one ring's tile before the other's, so the consumers' products strictly alternate. The
 "dual" design gives each ring its own producer warp and starts consumer 1 half a tile after
-consumer 0, so that both compute at once and each epilogue falls under the other's products. The
-probe checks the statistics against a float64 reference and times both against the package's
-logit kernel (mode 0 alone, without the target pick) and cuBLAS's plain product.
+consumer 0, so that both compute at once and each epilogue falls under the other's products.
+Both lose to the logit kernel (run 43's first call): a 128 x 128 tile reads a third more operand
+bytes a product. Run 43's cooperative design (three warpgroups of 64 x 256 on one ring, 192 x 256
+tiles) won by 1-3% a flop and became the package's ``_gluon_stats``, which the probe times as
+"gluon_stats" (its two-warpgroup variants, with and without a producer warp, are in this file at
+commit b0ab751). The probe checks the statistics against a float64 reference and times them
+against the package's logit kernel (mode 0 alone, without the target pick; ``--triton-configs``
+forces its configurations) and cuBLAS's plain product.
 
-    python benchmarks/gluon_probe.py [--rows llama2,llama3] [--out probe.json]
+    python benchmarks/gluon_probe.py [--rows llama2,llama3] [--n 4032] [--designs ...] [--out probe.json]
     PROBE_BK=32 PROBE_STAGES=6 python benchmarks/gluon_probe.py ...
-    PROBE_NC=2 PROBE_COOP_STAGES=4 python benchmarks/gluon_probe.py --designs gluon_coop2 ...
 
 Not part of the package: the interpreter runs no Gluon, so CI could not test it. Written for
 Triton 3.6's Gluon (the H200's; compiled for sm_90 on the CPU with it): the dialect is
@@ -35,6 +39,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+from fused_linear_ce import _gluon_stats, _options, _triton_backend  # noqa: E402
+
 ROWS = {"llama2": (4096, 32000), "llama3": (4096, 128256)}  # (H, V), N = 8192 rows
 GROUP_ROWS = 4096
 # The kernel's shapes, as globals (a warp-specialised partition's arguments are values only);
@@ -45,18 +52,8 @@ STAGES = gl.constexpr(int(os.environ.get("PROBE_STAGES", 3)))
 
 
 @gluon.jit
-def _group_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks):
-    """The logit kernel's order: row blocks of a group fastest, then columns, then groups."""
-    group = tile_id // (group_blocks * num_col_tiles)
-    first_block = group * group_blocks
-    blocks_in_group = gl.minimum(num_row_blocks - first_block, group_blocks)
-    in_group = tile_id - first_block * num_col_tiles
-    return first_block + in_group % blocks_in_group, in_group // blocks_in_group
-
-
-@gluon.jit
 def _tile_coords(tile_id, num_row_blocks, num_col_tiles):
-    return _group_coords(tile_id, num_row_blocks, num_col_tiles, GROUP_BLOCKS)
+    return _gluon_stats._tile_coords(tile_id, num_row_blocks, num_col_tiles, GROUP_BLOCKS)
 
 
 @gluon.jit
@@ -220,187 +217,13 @@ def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor, dual: bool = Fal
     return tile_max, tile_sum
 
 
-# ---- the cooperative design: NC consumer warpgroups share each stage's weight tile ----------
-# A tile is (NC x 64) rows x 256 columns; consumer i takes its 64 rows (a 64 x 256 accumulator,
-# wgmma m64n256k16: the operand bytes a flop of the logit kernel's 128 x 256 tile) and all of
-# them wait on the same stages. With NC = 3 a tile of 192 x 256 reads (192 + 256) / (192 x 256)
-# operand elements a product, 22% fewer than 128 x 256 (the bytes from L2 that cuBLAS and QuACK
-# halve with clusters' multicast, which Triton 3.6 lacks). PROBE_NC (2 or 3) and PROBE_COOP_STAGES.
-CM, CN = gl.constexpr(64), gl.constexpr(256)
-NC = gl.constexpr(int(os.environ.get("PROBE_NC", 3)))
-CSTAGES = gl.constexpr(int(os.environ.get("PROBE_COOP_STAGES", 4 if NC.value == 2 else 3)))
-
-
-@gluon.jit
-def _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, tile_id, k, num_row_blocks, num_col_tiles,
-               group_blocks):
-    """This program's step ``step`` (K step k of tile ``tile_id``): NC 64-row hidden blocks and one
-    weight block into stage step % CSTAGES, once all NC consumers have released its last use."""
-    pid_n, pid_v = _group_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
-    slot = step % CSTAGES
-    mbarrier.wait(empty.index(slot), ((step // CSTAGES) & 1) ^ 1)
-    mbarrier.expect(ready.index(slot), (NC * CM + CN) * BK * 2)
-    for i in gl.static_range(NC):
-        tma.async_copy_global_to_shared(h_desc, [(pid_n * NC + i) * CM, k * BK], ready.index(slot),
-                                        a_bufs.index(slot * NC + i))
-    tma.async_copy_global_to_shared(w_desc, [pid_v * CN, k * BK], ready.index(slot), b_bufs.index(slot))
-
-
-@gluon.jit
-def _coop_producer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks):
-    """A producer warp (PROBE_PRODUCER=1, NC = 2 only: 9 warps launch at 168 registers): every step's loads."""
-    step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
-        for k in range(k_steps):
-            _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, tile_id, k, num_row_blocks,
-                       num_col_tiles, group_blocks)
-            step += 1
-
-
-@gluon.jit
-def _coop_consumer_0(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                     num_col_tiles, k_steps, group_blocks):
-    _coop_consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, 0)
-
-
-@gluon.jit
-def _coop_loading_consumer(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows,
-                           num_row_blocks, num_col_tiles, k_steps, group_blocks):
-    """Consumer 0 (the default partition), which also loads each stage CSTAGES - 1 steps ahead."""
-    programs = gl.num_programs(0)
-    first_tile = gl.program_id(0)
-    total_steps = gl.cdiv(num_row_blocks * num_col_tiles - first_tile, programs) * k_steps
-    for g in gl.static_range(CSTAGES - 1):
-        if g < total_steps:
-            _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, g, first_tile + (g // k_steps) * programs,
-                       g % k_steps, num_row_blocks, num_col_tiles, group_blocks)
-    step = 0
-    for tile_id in range(first_tile, num_row_blocks * num_col_tiles, programs):
-        pid_n, pid_v = _group_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
-        acc = _coop_mainloop(a_bufs, b_bufs, ready, empty, step, k_steps, 0, h_desc, w_desc, total_steps,
-                             first_tile, programs, num_row_blocks, num_col_tiles, group_blocks, True)
-        step += k_steps
-        mbarrier.arrive(empty.index((step + CSTAGES - 1) % CSTAGES))
-        _coop_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, num_col_tiles, pid_n, pid_v, 0)
-
-
-@gluon.jit
-def _coop_mainloop(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.constexpr, h_desc, w_desc, total_steps,
-                   first_tile, programs, num_row_blocks, num_col_tiles, group_blocks, LOADS: gl.constexpr):
-    """Consumer ``which``'s products of one tile, from this program's step ``step`` on; with
-    LOADS, after releasing a stage it loads the step CSTAGES - 1 ahead into it."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, CN, 16])
-    acc = gl.zeros([CM, CN], gl.float32, acc_layout)
-    for k in range(k_steps):
-        slot = step % CSTAGES
-        mbarrier.wait(ready.index(slot), (step // CSTAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot * NC + which), b_bufs.index(slot).permute((1, 0)), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        # the previous step's product is done: its stage goes back to the producer
-        mbarrier.arrive(empty.index((step + CSTAGES - 1) % CSTAGES), pred=k > 0)
-        if LOADS:
-            ahead = step + CSTAGES - 1
-            if ahead < total_steps:
-                _coop_load(h_desc, w_desc, a_bufs, b_bufs, ready, empty, ahead,
-                           first_tile + (ahead // k_steps) * programs, ahead % k_steps, num_row_blocks,
-                           num_col_tiles, group_blocks)
-        step += 1
-    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-
-
-@gluon.jit
-def _coop_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, num_col_tiles, pid_n, pid_v, which: gl.constexpr):
-    """Consumer ``which``'s 64 rows of the tile's statistics."""
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    tile_max = gl.max(acc, axis=1)
-    sum_exp = gl.sum(gl.exp(acc - tile_max[:, None]), axis=1)
-    offs_n = (pid_n * NC + which) * CM + gl.arange(0, CM, layout=row_layout)
-    stat = offs_n.to(gl.int64) * num_col_tiles + pid_v
-    gl.store(tile_max_ptr + stat, tile_max, mask=offs_n < n_rows)
-    gl.store(tile_sum_ptr + stat, sum_exp, mask=offs_n < n_rows)
-
-
-@gluon.jit
-def _coop_consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, which: gl.constexpr):
-    """Consumer ``which`` (a worker warpgroup): rows [64 which, 64 which + 64) of every tile of this
-    program, products and epilogue; a stage is reloaded once all NC consumers have released it."""
-    step = 0
-    for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
-        pid_n, pid_v = _group_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
-        acc = _coop_mainloop(a_bufs, b_bufs, ready, empty, step, k_steps, which, None, None, 0, 0, 0,
-                             num_row_blocks, num_col_tiles, group_blocks, False)
-        step += k_steps
-        mbarrier.arrive(empty.index((step + CSTAGES - 1) % CSTAGES))
-        _coop_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, num_col_tiles, pid_n, pid_v, which)
-
-
-@gluon.jit
-def _coop_consumer_1(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                     num_col_tiles, k_steps, group_blocks):
-    _coop_consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, 1)
-
-
-@gluon.jit
-def _coop_consumer_2(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                     num_col_tiles, k_steps, group_blocks):
-    _coop_consumer(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, 2)
-
-
-@gluon.jit
-def coop_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size):
-    """Tile statistics [n_rows, V / 256] (max, sum of exp(z - max)) of hidden [n_rows, H] @
-    weight [V, H].T, persistent: NC consumer warpgroups on (NC x 64) x 256 tiles."""
-    a_bufs = gl.allocate_shared_memory(gl.bfloat16, [CSTAGES * NC, CM, BK], h_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.bfloat16, [CSTAGES, CN, BK], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [CSTAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [CSTAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(CSTAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=NC)
-    num_row_blocks = gl.cdiv(n_rows, NC * CM)
-    num_col_tiles = gl.cdiv(vocab_size, CN)
-    k_steps = gl.cdiv(hidden_size, BK)
-    group_blocks = COOP_GROUP_BLOCKS
-    args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, num_row_blocks, num_col_tiles,
-            k_steps, group_blocks)
-    # Consumer 0 is the default partition and loads too: a producer warp would make 13 warps,
-    # launched as 16 at 128 registers, too few for a 64 x 256 accumulator.
-    first_args = (h_desc, w_desc) + args
-    if NC == 3:
-        gl.warp_specialize([(_coop_loading_consumer, first_args), (_coop_consumer_1, args),
-                            (_coop_consumer_2, args)], [4, 4], [168, 168])
-    elif PRODUCER:
-        gl.warp_specialize([(_coop_consumer_0, args), (_coop_consumer_1, args), (_coop_producer, first_args)],
-                           [4, 1], [168, 40])
-    else:
-        gl.warp_specialize([(_coop_loading_consumer, first_args), (_coop_consumer_1, args)], [4], [232])
-
-
-PRODUCER = gl.constexpr(os.environ.get("PROBE_PRODUCER") == "1")
-COOP_GROUP_BLOCKS = gl.constexpr(GROUP_ROWS // (NC.value * CM.value))
-
-
-def coop_stats(hidden: torch.Tensor, weight: torch.Tensor):
-    """(tile_max, tile_sum_exp) [n_rows, ceil(V / 256)] fp32 of bf16 hidden [n_rows, H], weight [V, H]."""
-    n_rows, hidden_size = hidden.shape
-    vocab_size = weight.shape[0]
-    tile_max = torch.empty((n_rows, triton.cdiv(vocab_size, CN.value)), device=hidden.device, dtype=torch.float32)
+def package_gluon_stats(hidden, weight):
+    """The package's Gluon kernel (``_gluon_stats``, run 43's cooperative design with three
+    warpgroups): the same statistics over 256-column tiles."""
+    tile_max = torch.empty((hidden.shape[0], triton.cdiv(weight.shape[0], 256)), device=hidden.device)
     tile_sum = torch.empty_like(tile_max)
-    block_h, block_w = [CM.value, BK.value], [CN.value, BK.value]
-    h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, gl.bfloat16))
-    w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, gl.bfloat16))
     programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    if os.environ.get("PROBE_GRID") == "tiles":  # a program a tile: the hardware's dynamic schedule
-        programs = triton.cdiv(n_rows, NC.value * CM.value) * tile_max.shape[1]
-    coop_stats_kernel[(programs,)](h_desc, w_desc, tile_max, tile_sum, n_rows, vocab_size, hidden_size,
-                                   num_warps=4)
+    _gluon_stats.tile_stats(hidden, weight, tile_max, tile_sum, _triton_backend._group_rows(hidden), programs)
     return tile_max, tile_sum
 
 
@@ -421,9 +244,6 @@ def measure(row: str, n_rows: int, designs: list[str], triton_configs: list[str]
     """The probe's statistics against float64, and its time against the logit kernel's and cuBLAS's."""
     from triton.testing import do_bench
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-    from fused_linear_ce import _options, _triton_backend
-
     hidden_size, vocab_size = ROWS[row]
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n_rows, hidden_size, device="cuda", generator=gen).bfloat16()
@@ -431,11 +251,11 @@ def measure(row: str, n_rows: int, designs: list[str], triton_configs: list[str]
     targets = torch.randint(0, vocab_size, (n_rows,), device="cuda", generator=gen)
     flops = 2 * n_rows * vocab_size * hidden_size
     lse = torch.logsumexp(hidden.double() @ weight.double().T, dim=1)
-    rec = {"row": row, "n": n_rows, "bk": BK.value, "stages": STAGES.value, "coop_stages": CSTAGES.value}
+    rec = {"row": row, "n": n_rows, "bk": BK.value, "stages": STAGES.value}
     opts = _options.LossOptions()
     runs = {"gluon": lambda: ping_pong_stats(hidden, weight),
             "gluon_dual": lambda: ping_pong_stats(hidden, weight, dual=True),
-            f"gluon_coop{NC.value}": lambda: coop_stats(hidden, weight),
+            "gluon_stats": lambda: package_gluon_stats(hidden, weight),
             "triton": lambda: triton_stats(_triton_backend, hidden, weight, targets, opts),
             "cublas": lambda: (hidden @ weight.T, None)}
     def forced(config):  # the logit kernel in one configuration ("BLOCK_N,BLOCK_K,warps,stages,persistent")
@@ -469,7 +289,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="llama2,llama3")
     parser.add_argument("--n", type=int, default=4096, help="rows of the chunk (the forward's chunk)")
-    parser.add_argument("--designs", default="", help="comma-separated subset of gluon, gluon_dual, gluon_coop2/3, "
+    parser.add_argument("--designs", default="", help="comma-separated subset of gluon, gluon_dual, gluon_stats, "
                         "triton, cublas (default: all)")
     parser.add_argument("--triton-configs", default="",
                         help="';'-separated FLCE_CONFIG values to time the logit kernel in")

@@ -61,6 +61,20 @@ def _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, pid_n, pid_v,
 
 
 @gluon.jit
+def _load_and_advance(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_tile, load_n, load_v, load_k,
+                      k_steps, programs, num_row_blocks, num_col_tiles, group_blocks):
+    """Loads step ``step`` (K step load_k of tile load_tile, at (load_n, load_v)); returns the
+    next step's (tile, its coordinates, K step), with a division only when the tile changes."""
+    _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_n, load_v, load_k)
+    load_k += 1
+    if load_k == k_steps:
+        load_k = 0
+        load_tile += programs
+        load_n, load_v = _tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
+    return load_tile, load_n, load_v, load_k
+
+
+@gluon.jit
 def _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.constexpr):
     """Warpgroup ``which``'s 64 x 256 block of one tile, from this program's step ``step`` on;
     each stage goes back once its product is done."""
@@ -105,18 +119,15 @@ def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, t
     programs = gl.num_programs(0)
     num_tiles = num_row_blocks * num_col_tiles
     total_steps = gl.cdiv(num_tiles - gl.program_id(0), programs) * k_steps
-    # the step to load next: its tile and K step, advanced without a division a step
+    # the step to load next: its tile, the tile's coordinates and its K step
     load_tile = gl.program_id(0)
     load_n, load_v = _tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
     load_k = 0
     for g in gl.static_range(STAGES - 1):
         if g < total_steps:
-            _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, g, load_n, load_v, load_k)
-            load_k += 1
-            if load_k == k_steps:
-                load_k = 0
-                load_tile += programs
-                load_n, load_v = _tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
+            load_tile, load_n, load_v, load_k = _load_and_advance(
+                h_desc, w_desc, a_bufs, b_bufs, ready, empty, g, load_tile, load_n, load_v, load_k, k_steps,
+                programs, num_row_blocks, num_col_tiles, group_blocks)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_V, 16])
     step = 0
@@ -131,14 +142,10 @@ def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, t
             # The previous step's product is done: release its stage, then load the step
             # STAGES - 1 ahead into it (once the other two warpgroups have released it too).
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-            ahead = step + STAGES - 1
-            if ahead < total_steps:
-                _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, ahead, load_n, load_v, load_k)
-                load_k += 1
-                if load_k == k_steps:
-                    load_k = 0
-                    load_tile += programs
-                    load_n, load_v = _tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
+            if step + STAGES - 1 < total_steps:
+                load_tile, load_n, load_v, load_k = _load_and_advance(
+                    h_desc, w_desc, a_bufs, b_bufs, ready, empty, step + STAGES - 1, load_tile, load_n, load_v,
+                    load_k, k_steps, programs, num_row_blocks, num_col_tiles, group_blocks)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
