@@ -23,11 +23,11 @@ class _Count:
         return self.count
 
 
-def _plan(flce, n_rows, chunk, count, training):
+def _plan(flce, n_rows, chunk, count, training, row_block=128):
     chunked = submodule(flce, "_chunked")
     order = None if count is None else _Count(count)
-    first = chunked._first_chunk_rows(n_rows, chunk, order, training)
-    return first, list(chunked._spans(n_rows, chunk, order, first))
+    first = chunked._first_chunk_rows(n_rows, chunk, order, training, row_block)
+    return first, list(chunked._spans(n_rows, chunk, order, first, row_block))
 
 
 def test_llama3_step_at_8192_rows(flce):
@@ -39,18 +39,21 @@ def test_llama3_step_at_8192_rows(flce):
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(n_rows=st.integers(1, 20000), chunk=st.integers(1, 40).map(lambda k: 128 * k),
+@given(n_rows=st.integers(1, 20000), blocks=st.integers(1, 40), row_block=st.sampled_from([128, 192]),
        kept=st.floats(0.0, 1.0), training=st.booleans())
-def test_spans_cover_the_rows_to_compute_in_the_fewest_chunks(flce, n_rows, chunk, kept, training):
+def test_spans_cover_the_rows_to_compute_in_the_fewest_chunks(flce, n_rows, blocks, row_block, kept, training):
     count = round(kept * n_rows)
-    first, spans = _plan(flce, n_rows, chunk, count, training)
+    chunk = blocks * row_block
+    first, spans = _plan(flce, n_rows, chunk, count, training, row_block)
     total = max(first, count)
     assert spans[0] == (0, first)
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # contiguous
     assert spans[-1][1] == total
     assert all(0 < end - start <= chunk for start, end in spans)
-    # the first chunk is taken blind; after it, as few chunks as the remaining rows need
+    # the first chunk is taken blind; after it, as few chunks as the remaining rows need, each
+    # but the last in whole row blocks
     assert len(spans) == 1 + math.ceil((total - first) / chunk)
+    assert all((end - start) % row_block == 0 for start, end in spans[1:-1])
 
 
 def test_a_forward_that_fits_one_chunk_computes_half_first(flce, monkeypatch):
@@ -91,3 +94,30 @@ def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce
     assert backend.chunk_rows(8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
     # Gemma-2's (2304, 256000): the 768 MiB buffer allows 1572 rows, so 1536
     assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536
+
+
+def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
+    """Where the forward's statistics come in 192-row tiles (the Gluon kernel), its chunks hold
+    at most 4032 rows (21 tiles) and every chunk but the last is whole tiles: Llama-2's LM
+    inputs (7405 rows with a loss of 8192) take 4032 rows, then 3373; without ignored rows the
+    8192 are spread over three chunks of 2880 (15 tiles) and the rest."""
+    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
+    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
+    backend = submodule(flce, "_triton_backend")
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, spread=False, row_block=192) == 4032
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, row_block=192) == 2880
+    assert _plan(flce, 8192, 4032, 7405, training=False, row_block=192) == (4032, [(0, 4032), (4032, 7405)])
+    # rows that fit one chunk: half first, in whole tiles
+    assert _plan(flce, 4000, 4032, 3600, training=False, row_block=192)[0] == 2112
+    # a training step plans in the logit kernel's 128-row blocks whatever the forward's tile
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1408
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096, row_block=192) == 1536
+
+
+def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
+    """Only the Gluon kernel's forward (CUDA, sm_90) tiles 192 rows; a CPU tensor's forward, and
+    the PyTorch backend's, plan in 128-row blocks."""
+    options = submodule(flce, "_options").LossOptions()
+    for name in ("_triton_backend", "_torch_backend"):
+        backend = submodule(flce, name)
+        assert backend.row_block(torch.bfloat16, options, False, False, False, torch.device("cpu")) == 128
