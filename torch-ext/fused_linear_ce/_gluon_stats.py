@@ -229,6 +229,8 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     persistent programs."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
+    if n_rows == 0 or vocab_size == 0:
+        return
     dtype = _DTYPES[hidden.dtype]
     block_h, block_w = [ROWS_PER_GROUP.value, BLOCK_K.value], [BLOCK_V.value, BLOCK_K.value]
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
