@@ -1,4 +1,4 @@
-"""The forward's tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, run 43).
+"""The forward's tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, runs 43-44).
 
 The logit kernel (``_kernels._logit_tile_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
@@ -8,11 +8,12 @@ K step, three 64-row blocks of hidden and one 256-row block of weight. A tile th
 Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles. On the H200 it ran the
 statistics 1-3% faster a flop than the logit kernel (``benchmarks/gluon_probe.py``).
 
-Only the plain forward's statistics (MODE_STATS without bias, softcap, logit scale, smoothing,
-z-loss, class weights or metrics, and without the target pick) take this path; everything else,
-and every GPU without Hopper's wgmma or a Triton without this Gluon API (it is experimental and
-moves: written for Triton 3.6), uses the logit kernel. The interpreter runs no Gluon: the GPU
-tests compare this path with the logit kernel's (``FLCE_GLUON=0``).
+Only the statistics of plain logits take this path (MODE_STATS without bias, logit scale, softcap
+or smoothing's logit sum, without metrics and without the target pick; z-loss and class weights
+enter the loss only); everything else, and every GPU without Hopper's wgmma or a Triton without
+this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit kernel. The
+interpreter runs no Gluon: the GPU tests check this path against float64, and the CPU tests
+compile it for sm_90 (``scripts/compile_sm90.py --gluon``).
 
 Why warpgroup 0 also loads: a producer warp would make 13 warps, launched as 16 at 128 registers
 each, and ptxas holds every partition to that, too few for the accumulator; 12 warps get 168.
@@ -55,8 +56,8 @@ def _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, pid_n, pid_v,
     mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(slot), (GROUPS * ROWS_PER_GROUP + BLOCK_V) * BLOCK_K * 2)  # 16-bit inputs
     for i in gl.static_range(GROUPS):
-        _tma_load(h_desc, [(pid_n * GROUPS + i) * ROWS_PER_GROUP, k * BLOCK_K],
-                                        ready.index(slot), a_bufs.index(slot * GROUPS + i))
+        _tma_load(h_desc, [(pid_n * GROUPS + i) * ROWS_PER_GROUP, k * BLOCK_K], ready.index(slot),
+                  a_bufs.index(slot * GROUPS + i))
     _tma_load(w_desc, [pid_v * BLOCK_V, k * BLOCK_K], ready.index(slot), b_bufs.index(slot))
 
 
