@@ -205,10 +205,16 @@ def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+_capabilities: dict[torch.device, tuple[int, int]] = {}
+
+
 def device_applies(device: torch.device) -> bool:
     """Whether this kernel runs on ``device``: Hopper (sm_90) and not FLCE_GLUON=0."""
-    return (os.environ.get("FLCE_GLUON", "1") != "0" and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    if os.environ.get("FLCE_GLUON", "1") == "0" or device.type != "cuda":
+        return False
+    if device not in _capabilities:  # asked a few times a forward: kept, as the SM counts are
+        _capabilities[device] = torch.cuda.get_device_capability(device)
+    return _capabilities[device] == (9, 0)
 
 
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
