@@ -62,17 +62,25 @@ def _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, pid_n, pid_v,
 
 
 @gluon.jit
-def _load_and_advance(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_tile, load_n, load_v, load_k,
-                      k_steps, programs, num_row_blocks, num_col_tiles, group_blocks):
-    """Loads step ``step`` (K step load_k of tile load_tile, at (load_n, load_v)); returns the
-    next step's (tile, its coordinates, K step), with a division only when the tile changes."""
-    _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_n, load_v, load_k)
+def _next_step(load_tile, load_n, load_v, load_k, k_steps, programs, num_row_blocks, num_col_tiles, group_blocks):
+    """The step after K step load_k of tile load_tile (at (load_n, load_v)): its (tile, the
+    tile's coordinates, K step), with a division only when the tile changes."""
     load_k += 1
     if load_k == k_steps:
         load_k = 0
         load_tile += programs
         load_n, load_v = _tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
     return load_tile, load_n, load_v, load_k
+
+
+@gluon.jit
+def _load_and_advance(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_tile, load_n, load_v, load_k,
+                      k_steps, programs, num_row_blocks, num_col_tiles, group_blocks):
+    """Loads step ``step`` (K step load_k of tile load_tile, at (load_n, load_v)); returns the
+    next step's (tile, its coordinates, K step)."""
+    _load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, step, load_n, load_v, load_k)
+    return _next_step(load_tile, load_n, load_v, load_k, k_steps, programs, num_row_blocks, num_col_tiles,
+                      group_blocks)
 
 
 @gluon.jit
