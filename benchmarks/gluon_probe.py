@@ -312,30 +312,18 @@ def sharing_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, voc
 
 
 def sharing_gluon_stats(hidden, weight):
-    """The statistics from ``sharing_stats_kernel``, launched as ``_gluon_stats.tile_stats`` does."""
-    n_rows = hidden.shape[0]
-    vocab_size = weight.shape[0]
-    tile_max = torch.empty((n_rows, triton.cdiv(vocab_size, 256)), device=hidden.device)
-    tile_sum = torch.empty_like(tile_max)
-    block_h, block_w = [G.ROWS_PER_GROUP.value, G.BLOCK_K.value], [G.BLOCK_V.value, G.BLOCK_K.value]
-    h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, gl.bfloat16))
-    w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, gl.bfloat16))
-    programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    num_tiles = triton.cdiv(n_rows, G.BLOCK_N) * tile_max.shape[1]
-    group_blocks = max(1, _triton_backend._group_rows(hidden) // G.BLOCK_N)
-    sharing_stats_kernel[(min(num_tiles, programs),)](h_desc, w_desc, tile_max, tile_sum, n_rows, vocab_size,
-                                                      hidden.shape[1], group_blocks,
-                                                      EVEN_V=vocab_size % 256 == 0, num_warps=4)
-    return tile_max, tile_sum
+    """The statistics from ``sharing_stats_kernel``, launched by ``_gluon_stats.tile_stats``."""
+    return package_gluon_stats(hidden, weight, kernel=sharing_stats_kernel)
 
 
-def package_gluon_stats(hidden, weight):
+def package_gluon_stats(hidden, weight, kernel=None):
     """The package's Gluon kernel (``_gluon_stats``, run 43's cooperative design with three
-    warpgroups): the same statistics over 256-column tiles."""
+    warpgroups), or ``kernel`` in its place: the same statistics over 256-column tiles."""
     tile_max = torch.empty((hidden.shape[0], triton.cdiv(weight.shape[0], 256)), device=hidden.device)
     tile_sum = torch.empty_like(tile_max)
     programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    _gluon_stats.tile_stats(hidden, weight, tile_max, tile_sum, _triton_backend._group_rows(hidden), programs)
+    _gluon_stats.tile_stats(hidden, weight, tile_max, tile_sum, _triton_backend._group_rows(hidden), programs,
+                            kernel=kernel)
     return tile_max, tile_sum
 
 

@@ -121,3 +121,34 @@ def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
     for name in ("_triton_backend", "_torch_backend"):
         backend = submodule(flce, name)
         assert backend.row_block(torch.bfloat16, options, False, False, False, torch.device("cpu")) == 128
+
+
+def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce, monkeypatch):
+    """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
+    Hopper device: a 16-bit forward of plain logits plans in its 192-row tiles; gradients,
+    metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs or the tiles' own target
+    pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128 rows. z-loss does not change the
+    statistics, so it keeps the Gluon tiles."""
+    backend = submodule(flce, "_triton_backend")
+    options = submodule(flce, "_options").LossOptions
+
+    class StandIn:  # _gluon_stats' constants, on a device where it runs
+        BLOCK_N, BLOCK_V = 192, type("constexpr", (), {"value": 256})()
+
+        @staticmethod
+        def device_applies(device):
+            return True
+
+    monkeypatch.setattr(backend, "_gluon_stats_module", lambda: StandIn)
+    monkeypatch.setattr(backend, "tile_width", lambda dtype: 256 if dtype != torch.float32 else 128)
+    cuda = torch.device("cuda", 0)
+
+    def block(dtype=torch.bfloat16, training=False, return_metrics=False, has_bias=False, **opts):
+        return backend.row_block(dtype, options(**opts), has_bias, training, return_metrics, cuda)
+
+    assert block() == 192 and block(torch.float16) == 192 and block(z_loss_scale=1e-4) == 192
+    assert block(training=True) == block(return_metrics=True) == block(has_bias=True) == 128
+    assert block(logit_scale=0.5) == block(softcap=30.0) == block(label_smoothing=0.1) == 128
+    assert block(torch.float32) == 128
+    monkeypatch.setenv("FLCE_TILE_TARGET", "0")
+    assert block() == 128

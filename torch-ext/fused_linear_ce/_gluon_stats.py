@@ -237,11 +237,12 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tensor, tile_sum_exp: torch.Tensor,
-               group_rows: int, programs: int) -> None:
+               group_rows: int, programs: int, kernel=None) -> None:
     """Writes each (row, 256-column tile)'s max and sum of exp(z - max) of z = hidden [n_rows, H]
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
     contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
-    persistent programs."""
+    persistent programs. ``kernel`` (exploration: ``benchmarks/gluon_probe.py``'s variants, of
+    ``tile_stats_kernel``'s arguments) replaces ``tile_stats_kernel``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     if n_rows == 0 or vocab_size == 0:
@@ -251,6 +252,6 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, dtype))
     num_tiles = triton.cdiv(n_rows, BLOCK_N) * triton.cdiv(vocab_size, BLOCK_V.value)
-    tile_stats_kernel[(min(num_tiles, programs),)](
+    (kernel or tile_stats_kernel)[(min(num_tiles, programs),)](
         h_desc, w_desc, tile_max, tile_sum_exp, n_rows, vocab_size, hidden_size, max(1, group_rows // BLOCK_N),
         EVEN_V=vocab_size % BLOCK_V.value == 0, num_warps=4)

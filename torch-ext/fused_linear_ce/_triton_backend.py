@@ -138,16 +138,10 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
               device: torch.device) -> int:
     """Rows a tile of the forward's statistics sweeps, in which its chunks are planned: 192
-    where ``_gluon_stats`` computes them (a forward without gradients or metrics of plain
-    logits in 16 bits on Hopper), 128 (the logit kernel's) elsewhere."""
-    if training or return_metrics or dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda":
-        return 128
-    if has_bias or not _plain_logits(opts, None) or not _target_logit_by_product_for(dtype):
-        return 128
-    gluon = _gluon_stats_module()
-    if gluon is None or tile_width(dtype) != gluon.BLOCK_V.value or not gluon.device_applies(device):
-        return 128
-    return gluon.BLOCK_N
+    where ``_gluon_stats`` computes them (``_gluon_sweep``; training's sweeps never do), 128
+    (the logit kernel's) elsewhere."""
+    gluon = None if training else _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
+    return 128 if gluon is None else gluon.BLOCK_N
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -343,9 +337,9 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
-    gluon = _gluon_stats_module() if mode == K.MODE_STATS and not pick_target and not return_metrics else None
-    if gluon is not None and _plain_logits(opts, bias) and block_v == gluon.BLOCK_V.value \
-            and gluon.applies(hidden, weight) \
+    gluon = (_gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
+             if mode == K.MODE_STATS and not pick_target else None)
+    if gluon is not None and gluon.applies(hidden, weight) \
             and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
@@ -354,10 +348,20 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     return tile_stats, target_logit, block_v, num_tiles
 
 
-def _plain_logits(opts: LossOptions, bias) -> bool:
-    """Whether the forward's statistics need the logits z = h W^T alone: no bias, logit scale,
-    softcap or smoothing's logit sum (z-loss enters only the loss and the gradient)."""
-    return bias is None and float(opts.logit_scale) == 1.0 and not opts.has_softcap and not opts.has_smoothing
+def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
+                 device: torch.device):
+    """``_gluon_stats`` where it computes a statistics sweep (mode 0) of inputs of ``dtype`` on
+    ``device``, else None: 16-bit inputs on Hopper, the logits z = h W^T alone (no bias, logit
+    scale, softcap or smoothing's logit sum; z-loss enters only the loss), no metrics, the target
+    logit from the tensor-core product and the logit kernel's 256-column tiles."""
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
+        return None
+    if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing or not _tensor_core_target():
+        return None
+    gluon = _gluon_stats_module()
+    if gluon is None or tile_width(dtype) != gluon.BLOCK_V.value or not gluon.device_applies(device):
+        return None
+    return gluon
 
 
 _gluon_stats = None
@@ -567,17 +571,13 @@ def _tensor_core_target() -> bool:
     return env_int("FLCE_TILE_TARGET", 1) != 0
 
 
-def _target_logit_by_product_for(dtype: torch.dtype) -> bool:
-    return dtype != torch.float64 and _tensor_core_target()
-
-
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, perf notes, run 36). Not for fp64 inputs (the product
     sums in fp32), nor with FLCE_TILE_TARGET=0."""
-    return _target_logit_by_product_for(hidden.dtype)
+    return hidden.dtype != torch.float64 and _tensor_core_target()
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
