@@ -14,8 +14,8 @@ Both lose to the logit kernel (run 43's first call): a 128 x 128 tile reads a th
 bytes a product. Run 43's cooperative design (three warpgroups of 64 x 256 on one ring, 192 x 256
 tiles) won by 1-3% a flop and became the package's ``_gluon_stats``, which the probe times as
 "gluon_stats" (its two-warpgroup variants, with and without a producer warp, are in this file at
-commit b0ab751), and beside it "gluon_shared_loads", the same kernel with each warpgroup issuing
-every third step's loads (built after run 44, not measured yet). The probe checks the
+commit b0ab751; the same kernel with each warpgroup issuing every third step's loads, 1-2% slower
+in run 45, at 480cc6e). The probe checks the
 statistics against a float64 reference and times them against the package's logit kernel (mode 0
 alone, without the target pick; ``--triton-configs`` forces its configurations) and cuBLAS's
 plain product.
@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -219,111 +220,13 @@ def ping_pong_stats(hidden: torch.Tensor, weight: torch.Tensor, dual: bool = Fal
     return tile_max, tile_sum
 
 
-# ---- the package's kernel with the loads shared by its three warpgroups (not measured yet) ---
-G = _gluon_stats
-
-
-@gluon.jit
-def _sharing_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks, which: gl.constexpr,
-                   EVEN_V: gl.constexpr):
-    """Warpgroup ``which`` of ``_gluon_stats``' kernel where each warpgroup issues every third
-    step's loads (step % 3 == which) instead of warpgroup 0 all of them: each follows every
-    step's coordinates, and waits on a stage's release only for its own loads."""
-    programs = gl.num_programs(0)
-    num_tiles = num_row_blocks * num_col_tiles
-    total_steps = gl.cdiv(num_tiles - gl.program_id(0), programs) * k_steps
-    load_tile = gl.program_id(0)
-    load_n, load_v = G._tile_coords(load_tile, num_row_blocks, num_col_tiles, group_blocks)
-    load_k = 0
-    for g in gl.static_range(G.STAGES - 1):
-        if g < total_steps:
-            if g % G.GROUPS == which:
-                G._load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, g, load_n, load_v, load_k)
-            load_tile, load_n, load_v, load_k = G._next_step(load_tile, load_n, load_v, load_k, k_steps, programs,
-                                                             num_row_blocks, num_col_tiles, group_blocks)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, G.BLOCK_V, 16])
-    step = 0
-    for tile_id in range(gl.program_id(0), num_tiles, programs):
-        pid_n, pid_v = G._tile_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
-        acc = gl.zeros([G.ROWS_PER_GROUP, G.BLOCK_V], gl.float32, acc_layout)
-        for k in range(k_steps):
-            slot = step % G.STAGES
-            mbarrier.wait(ready.index(slot), (step // G.STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(slot * G.GROUPS + which), b_bufs.index(slot).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((step + G.STAGES - 1) % G.STAGES), pred=k > 0)
-            ahead = step + G.STAGES - 1
-            if ahead < total_steps:
-                if ahead % G.GROUPS == which:
-                    G._load_step(h_desc, w_desc, a_bufs, b_bufs, ready, empty, ahead, load_n, load_v, load_k)
-                load_tile, load_n, load_v, load_k = G._next_step(load_tile, load_n, load_v, load_k, k_steps,
-                                                                 programs, num_row_blocks, num_col_tiles,
-                                                                 group_blocks)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + G.STAGES - 1) % G.STAGES))
-        G._tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which,
-                         EVEN_V)
-
-
-@gluon.jit
-def _sharing_group_0(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                     num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
-    _sharing_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks, 0, EVEN_V)
-
-
-@gluon.jit
-def _sharing_group_1(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                     num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
-    _sharing_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks, 1, EVEN_V)
-
-
-@gluon.jit
-def _sharing_group_2(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                     num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
-    _sharing_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks, 2, EVEN_V)
-
-
-@gluon.jit
-def sharing_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size, group_blocks,
-                         EVEN_V: gl.constexpr):
-    """``_gluon_stats.tile_stats_kernel`` with the loads shared by its three warpgroups."""
-    a_bufs = gl.allocate_shared_memory(h_desc.dtype, [G.STAGES * G.GROUPS, G.ROWS_PER_GROUP, G.BLOCK_K],
-                                       h_desc.layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [G.STAGES, G.BLOCK_V, G.BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [G.STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [G.STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(G.STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=G.GROUPS)
-    num_row_blocks = gl.cdiv(n_rows, G.GROUPS * G.ROWS_PER_GROUP)
-    num_col_tiles = gl.cdiv(vocab_size, G.BLOCK_V)
-    k_steps = gl.cdiv(hidden_size, G.BLOCK_K)
-    args = (h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-            num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V)
-    gl.warp_specialize([(_sharing_group_0, args), (_sharing_group_1, args), (_sharing_group_2, args)],
-                       [4, 4], [168, 168])
-
-
-def sharing_gluon_stats(hidden, weight):
-    """The statistics from ``sharing_stats_kernel``, launched by ``_gluon_stats.tile_stats``."""
-    return package_gluon_stats(hidden, weight, kernel=sharing_stats_kernel)
-
-
-def package_gluon_stats(hidden, weight, kernel=None):
+def package_gluon_stats(hidden, weight):
     """The package's Gluon kernel (``_gluon_stats``, run 43's cooperative design with three
-    warpgroups), or ``kernel`` in its place: the same statistics over 256-column tiles."""
+    warpgroups): the same statistics over 256-column tiles."""
     tile_max = torch.empty((hidden.shape[0], triton.cdiv(weight.shape[0], 256)), device=hidden.device)
     tile_sum = torch.empty_like(tile_max)
     programs = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    _gluon_stats.tile_stats(hidden, weight, tile_max, tile_sum, _triton_backend._group_rows(hidden), programs,
-                            kernel=kernel)
+    _gluon_stats.tile_stats(hidden, weight, tile_max, tile_sum, _triton_backend._group_rows(hidden), programs)
     return tile_max, tile_sum
 
 
@@ -356,7 +259,6 @@ def measure(row: str, n_rows: int, designs: list[str], triton_configs: list[str]
     runs = {"gluon": lambda: ping_pong_stats(hidden, weight),
             "gluon_dual": lambda: ping_pong_stats(hidden, weight, dual=True),
             "gluon_stats": lambda: package_gluon_stats(hidden, weight),
-            "gluon_shared_loads": lambda: sharing_gluon_stats(hidden, weight),
             "triton": lambda: triton_stats(_triton_backend, hidden, weight, targets, opts),
             "cublas": lambda: (hidden @ weight.T, None)}
     def forced(config):  # the logit kernel in one configuration ("BLOCK_N,BLOCK_K,warps,stages,persistent")
@@ -391,7 +293,7 @@ def main():
     parser.add_argument("--rows", default="llama2,llama3")
     parser.add_argument("--n", type=int, default=4096, help="rows of the chunk (the forward's chunk)")
     parser.add_argument("--designs", default="", help="comma-separated subset of gluon, gluon_dual, gluon_stats, "
-                        "gluon_shared_loads, triton, cublas (default: all)")
+                        "triton, cublas (default: all)")
     parser.add_argument("--triton-configs", default="",
                         help="';'-separated FLCE_CONFIG values to time the logit kernel in")
     parser.add_argument("--out")
@@ -402,7 +304,8 @@ def main():
                                [c for c in args.triton_configs.split(";") if c]))
         print(json.dumps(records[-1]), flush=True)
     if args.out:
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items())
                                     if k.startswith(("PROBE_", "FLCE_"))]
                                    + ["python benchmarks/gluon_probe.py"] + sys.argv[1:])}
