@@ -37,18 +37,21 @@ def _counted(monkeypatch, flce):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 def test_a_counted_forward_stops_at_the_count_on_the_device(flce, monkeypatch, dtype, reduction):
-    """300 rows, about 30% ignored, chunks of 128 planned from all 300: the second chunk holds the
-    count, the third only ignored rows. Losses are float64's, the rows with a loss get their lse
-    and the ignored rows lse 0 exactly."""
+    """600 rows, about half of them ignored, in chunks of one row block (128 rows, or the Gluon
+    kernel's 192 on Hopper in 16 bits) planned from all 600: the count falls in the second or third
+    chunk, the last two hold only ignored rows. Losses are float64's, the rows with a loss get
+    their lse and the ignored rows lse 0 exactly."""
     chunked, calls = _counted(monkeypatch, flce)
     monkeypatch.setenv("FLCE_CHUNK_ROWS", "128")
-    hidden, weight, targets, _ = make_inputs(300, 32, 100, dtype, seed=11, ignore=0.3, requires_grad=False)
+    hidden, weight, targets, _ = make_inputs(600, 32, 100, dtype, seed=11, ignore=0.5, requires_grad=False)
     valid = targets != -100
     count = int(valid.sum())
-    assert 128 < count < 256, "the inputs must put the count in the second chunk"
+    options = submodule(flce, "_options").LossOptions()
     with torch.no_grad():
-        result = chunked.forward(hidden, weight, targets, None, submodule(flce, "_options").LossOptions(), reduction)
-    assert calls == [(0, count), (128, count), (256, count)]
+        result = chunked.forward(hidden, weight, targets, None, options, reduction)
+    block = chunked.backend_for(hidden.device).row_block(dtype, options, False, False, False, hidden.device)
+    assert block < count < 384, "the inputs must leave the last two chunks without a row with a loss"
+    assert calls == [(start, count) for start in range(0, 600, block)]
     expected = reference(hidden, weight, targets, reduction=reduction)
     assert_rel(result.loss, expected.loss, tolerance(dtype, "loss"), f"loss ({reduction})")
     lse = result.lse.cpu()

@@ -70,7 +70,8 @@ def test_tile_statistics_stop_at_the_count_on_the_device(flce, count, start):
     expected_max, _ = _float64_tile_stats(hidden, weight)
     bound = h * 2.0**-24 * (hidden.double().abs() @ weight.double().abs().T).max().item()
     assert not tile_max[:written].isnan().any() and not tile_sum[:written].isnan().any()
-    assert (tile_max[:written].double().cpu() - expected_max[:written].cpu()).abs().max().item() <= bound
+    error = (tile_max[:written].double().cpu() - expected_max[:written].cpu()).abs()
+    assert written == 0 or error.max().item() <= bound
     assert tile_max[written:].isnan().all() and tile_sum[written:].isnan().all()
 
 

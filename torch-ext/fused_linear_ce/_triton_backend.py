@@ -153,9 +153,10 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
 def counts_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LossOptions,
                      training: bool, return_metrics: bool) -> bool:
     """Whether ``row_stats`` skips on the device the rows past a count (``row_count``): where
-    ``_gluon_stats`` computes a forward's statistics (``_gluon_sweep`` and ``applies``). Such a
-    forward needs the count on the host neither to plan nor to stop its chunks."""
-    if training:
+    ``_gluon_stats`` computes a forward's statistics (``_gluon_sweep`` and ``applies``), unless
+    FLCE_COUNT_ON_DEVICE=0 (exploration). Such a forward needs the count on the host neither to
+    plan nor to stop its chunks."""
+    if training or env_int("FLCE_COUNT_ON_DEVICE", 1) == 0:
         return False
     gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, hidden.device)
     return gluon is not None and gluon.applies(hidden, weight)
