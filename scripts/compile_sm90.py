@@ -59,8 +59,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
 ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
-                "correct_ptr": "*i32", "row_count_ptr": "*i64", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16",
-                "scaled_hidden_ptr": "*bf16",
+                "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
                 "weight_ptr": "*bf16"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
@@ -88,7 +87,7 @@ def compile_row_kernel(name: str, flags_on: bool):
                           options=dict(num_warps=4))
 
 
-def compile_gluon_stats(dtype_name: str, even_v: bool, counted: bool):
+def compile_gluon_stats(dtype_name: str, even_v: bool):
     """``_gluon_stats.tile_stats_kernel`` (the forward's statistics in Gluon) compiled for sm_90."""
     from fused_linear_ce import _gluon_stats as G
     from triton.experimental.gluon import language as gl
@@ -101,10 +100,9 @@ def compile_gluon_stats(dtype_name: str, even_v: bool, counted: bool):
     layout_w = gl.NVMMASharedLayout.get_default_for(block_w, dtype)
     signature = {"h_desc": f"tensordesc<{dtype_name}{block_h},{layout_h!r}>",
                  "w_desc": f"tensordesc<{dtype_name}{block_w},{layout_w!r}>",
-                 "tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "row_count_ptr": "*i64", "row_start": "i32",
-                 "n_rows": "i32", "vocab_size": "i32", "hidden_size": "i32", "group_blocks": "i32",
-                 "EVEN_V": "constexpr", "COUNTED": "constexpr"}
-    source = GluonASTSource(G.tile_stats_kernel, signature, {"EVEN_V": even_v, "COUNTED": counted})
+                 "tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "n_rows": "i32", "vocab_size": "i32",
+                 "hidden_size": "i32", "group_blocks": "i32", "EVEN_V": "constexpr"}
+    source = GluonASTSource(G.tile_stats_kernel, signature, {"EVEN_V": even_v})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -113,8 +111,7 @@ def main() -> int:
     parser.add_argument("--modes", default="0,1,2,3")
     parser.add_argument("--flags", default="", help="constexpr overrides, e.g. RETURN_METRICS=1,HAS_BIAS=1")
     parser.add_argument("--row-kernels", action="store_true")
-    parser.add_argument("--gluon", action="store_true",
-                        help="also _gluon_stats' kernel, bf16 and fp16, EVEN_V 0/1, COUNTED 0/1 (four of the eight)")
+    parser.add_argument("--gluon", action="store_true", help="also _gluon_stats' kernel, bf16 and fp16, EVEN_V 0/1")
     args = parser.parse_args()
     flags = {k: bool(int(v)) for k, v in (kv.split("=") for kv in args.flags.split(",") if kv)}
     failed = 0
@@ -134,19 +131,16 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-    # each flag on and off with each dtype
-    gluon_cases = [("bf16", True, False), ("bf16", False, True), ("fp16", True, True), ("fp16", False, False)]
-    for dtype_name, even_v, counted in gluon_cases if args.gluon else ():
-        name = f"_gluon_stats {dtype_name} EVEN_V={int(even_v)} COUNTED={int(counted)}"
+    for dtype_name, even_v in [(d, e) for d in ("bf16", "fp16") for e in (True, False)] if args.gluon else ():
         try:
-            kernel = compile_gluon_stats(dtype_name, even_v, counted)
+            kernel = compile_gluon_stats(dtype_name, even_v)
             ptx = kernel.asm["ptx"]
-            print(f"{name}: ok {kernel.metadata.shared}"
+            print(f"_gluon_stats {dtype_name} EVEN_V={int(even_v)}: ok {kernel.metadata.shared}"
                   f" wgmma.m64n256k16={ptx.count('wgmma.mma_async.sync.aligned.m64n256k16')}"
                   f" setmaxnreg={'setmaxnreg' in ptx}")
         except Exception as e:
             failed += 1
-            print(f"{name}: {type(e).__name__}: "
+            print(f"_gluon_stats {dtype_name} EVEN_V={int(even_v)}: {type(e).__name__}: "
                   f"{str(e).strip().splitlines()[-1][:300]}")
     return 1 if failed else 0
 

@@ -114,25 +114,6 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096, row_block=192) == 1536
 
 
-def test_a_counted_forward_takes_8192_rows_a_chunk_in_whole_tiles(flce, monkeypatch):
-    """A forward that skips on the device the rows past the count (``counted``) is planned
-    from all its rows: 8192 rows are one chunk (one launch over Llama-2's 7405 rows with a loss
-    of its LM inputs: 39 row tiles x 125 vocabulary tiles, 37 rounds of 132; the two launches of
-    4032 and 3373 rows took 20 + 18); more rows are spread
-    over the fewest chunks of at most 8256 (43 tiles of 192), each but the last whole tiles."""
-    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
-    backend = submodule(flce, "_triton_backend")
-
-    def plan(n_rows, **kwargs):
-        chunk = backend.chunk_rows(n_rows, 32000, torch.bfloat16, False, row_block=192, counted=True, **kwargs)
-        return [end - start for start, end in submodule(flce, "_chunked")._chunks(n_rows, chunk)]
-
-    assert plan(8192) == [8192] and plan(8256) == [8256] and plan(100) == [100]
-    assert plan(8257) == [4224, 4033]  # two chunks: 4129 rows each, in whole tiles
-    assert plan(32768) == [8256, 8256, 8256, 8000]
-    assert plan(20000, spread=False) == [8256, 8256, 3488]
-
-
 def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
     """Only the Gluon kernel's forward (CUDA, sm_90) tiles 192 rows; a CPU tensor's forward, and
     the PyTorch backend's, plan in 128-row blocks."""

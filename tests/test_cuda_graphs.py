@@ -130,10 +130,9 @@ def test_graph_replays_model_step_with_causal_lm_loss(flce):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_replays_an_evaluation_forward(flce, dtype):
-    """A forward without gradients. In bf16 on Hopper its Gluon statistics stop at the count of
-    rows with a loss on the device, so that a captured forward skips the ignored rows too (the
-    host never reads the count); elsewhere a capture computes every row. Each replay, with new
-    targets and so another count, equals an eager forward."""
+    """A forward without gradients (in bf16 on Hopper, the Gluon statistics): a capture computes
+    every row (the host cannot read the count of rows with a loss then). Each replay, with new
+    targets and so another count, equals an eager forward, which skips the ignored rows."""
     n_rows, hidden_size, vocab = 1000, 128, 1000
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n_rows, hidden_size, generator=g).to("cuda", dtype)

@@ -53,8 +53,7 @@ def test_the_row_kernels_compile_for_sm90():
 
 def test_the_gluon_statistics_kernel_compiles_for_sm90():
     """``_gluon_stats``' kernel (the forward's statistics in Gluon, which the interpreter cannot
-    run) for bf16 and fp16, whole and partial vocabulary tiles, with and without the count of rows
-    on the device: three warpgroups of four
+    run) for bf16 and fp16, whole and partial vocabulary tiles: three warpgroups of four
     m64n256k16 products a K step, with their registers set by setmaxnreg."""
     run = _compile("--modes", "0", "--gluon")
     assert run.returncode == 0, run.stdout + run.stderr

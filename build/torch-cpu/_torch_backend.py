@@ -17,12 +17,12 @@ _BLOCK_ELEMENTS = 2**20
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0, row_block: int = 128, counted: bool = False) -> int:
+               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
     inputs, the grad logits cast to that dtype stay under FLCE_BUFFER_MIB together (a vocabulary
     slice of one of ``shards`` ranks: ``shards`` times the rows). The largest such chunk, with
     or without ``spread`` (the chunk loop's planning hint, which this backend needs not), for
-    any ``hidden_size``, ``row_block`` and ``counted``."""
+    any ``hidden_size`` and ``row_block``."""
     budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
     acc_size = accumulation_dtype(dtype).itemsize
     bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))
@@ -33,13 +33,6 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
               device: torch.device) -> int:
     """Rows in which the forward's chunks are planned: 128 (this backend has no tiles)."""
     return 128
-
-
-def counts_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LossOptions,
-                     training: bool, return_metrics: bool) -> bool:
-    """False: this backend computes every row it is given (its ``row_stats`` still honours a
-    ``row_count``)."""
-    return False
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -88,14 +81,13 @@ def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False, row_count=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
     buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
     (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
     the logit sum; ``return_metrics`` adds each row's entropy term and argmax. (``row_ref``,
     ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this backend never
-    takes.) With ``row_count`` (count int64 [1], start) the rows past [0, count - start) get an
-    empty row's statistics (max 0, sum of exponentials 1: lse 0)."""
+    takes.)"""
     logits = _logits(hidden, weight, bias, opts, out=shifted_out)
     vocab_size = logits.shape[1]
     argmax = None
@@ -123,19 +115,7 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         argmax=argmax,
         logit_sum=logit_sum,
     )
-    if row_count is not None:
-        count, start = row_count
-        _empty_past_count(stats, torch.arange(hidden.shape[0], device=hidden.device) < count - start)
     return stats, (row_max, softcap_grad)
-
-
-def _empty_past_count(stats: RowStats, counted: torch.Tensor) -> None:
-    """An empty row's statistics where not ``counted`` [rows] (bool), as the Triton backend's."""
-    stats.row_max.masked_fill_(~counted, 0.0)
-    stats.sum_exp.masked_fill_(~counted, 1.0)
-    for t in (stats.entropy_term, stats.logit_sum):
-        if t is not None:
-            t.masked_fill_(~counted, 0.0)
 
 
 def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,

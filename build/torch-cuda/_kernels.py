@@ -456,40 +456,29 @@ def _combine_tiles_kernel(
     row_argmax_ptr,  # [n_rows] int64 out (RETURN_METRICS)
     row_logit_sum_ptr,  # [n_rows] fp32 out (HAS_SMOOTHING)
     row_ref_ptr,  # [n_rows] fp32 reference B of the tiles' sums (ROW_REFERENCE)
-    row_count_ptr,  # [1] int64: rows [0, count - row_start) have a loss (COUNTED)
     # sizes
     n_rows,
     num_tiles,
-    row_start,  # the chunk's first row among those that count counts (COUNTED)
     # meta-parameters
     RETURN_METRICS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     ROW_REFERENCE: tl.constexpr,
-    COUNTED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the statistics (fp64 for fp64 inputs)
 ):
-    """Merges the per-tile statistics of each row (``_merge_tiles``). With COUNTED, the rows past
-    the count (whose tiles may be unwritten) get an empty row's: max 0, sum of exponentials 1
-    (lse 0), entropy term and logit sum 0, argmax NO_INDEX."""
+    """Merges the per-tile statistics of each row (``_merge_tiles``)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = offs_r < n_rows
-    counted = row_mask
-    if COUNTED:
-        counted = row_mask & (offs_r < tl.load(row_count_ptr) - row_start)
     row_ref = tl.zeros((BLOCK_R,), ACC_DTYPE)
     if ROW_REFERENCE:
         row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
     row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
         tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_logit_sum_ptr, row_ref,
-        offs_r, counted, num_tiles,
+        offs_r, row_mask, num_tiles,
         RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING, ROW_REFERENCE=ROW_REFERENCE,
         BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=ACC_DTYPE,
     )
-    if COUNTED:
-        row_max = tl.where(counted, row_max, 0.0)
-        sum_exp = tl.where(counted, sum_exp, 1.0)
     _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
                      offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
                      RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING)

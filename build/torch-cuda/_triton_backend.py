@@ -102,7 +102,7 @@ def tile_width(dtype: torch.dtype) -> int:
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0, row_block: int = 128, counted: bool = False) -> int:
+               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
     set within a quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows):
@@ -114,11 +114,7 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
     last chunk runs at a loss; without it (the rows to compute are not known yet) the
     largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows.
-    A forward's chunks are whole ``row_block``s (``row_block``: the sweep's rows a tile). A
-    ``counted`` forward (``counts_on_device``) is planned before the count of rows with a loss
-    is known, so it takes up to 8192 rows (rounded up to whole blocks) a chunk: one launch over the
-    rows with a loss of 8192 takes fewer rounds of tiles than two (its tile statistics take
-    ceil(V / 256) x 8 bytes a row: 62.5 MiB for 8192 rows of a 256000-word vocabulary)."""
+    A forward's chunks are whole ``row_block``s (``row_block``: the sweep's rows a tile)."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
@@ -127,8 +123,6 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
         by_share = max(128, 2048 * shards * logit_row // (logit_row + beside) // 128 * 128)
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
-    elif counted:
-        most = triton.cdiv(env_int("FLCE_CHUNK_ROWS", 8192) * shards, row_block) * row_block
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
         most = max(row_block, most // row_block * row_block)
@@ -148,18 +142,6 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
     (the logit kernel's) elsewhere."""
     gluon = None if training else _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
     return 128 if gluon is None else gluon.BLOCK_N
-
-
-def counts_on_device(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LossOptions,
-                     training: bool, return_metrics: bool) -> bool:
-    """Whether ``row_stats`` skips on the device the rows past a count (``row_count``): where
-    ``_gluon_stats`` computes a forward's statistics (``_gluon_sweep`` and ``applies``), unless
-    FLCE_COUNT_ON_DEVICE=0 (exploration). Such a forward needs the count on the host neither to
-    plan nor to stop its chunks."""
-    if training or env_int("FLCE_COUNT_ON_DEVICE", 1) == 0:
-        return False
-    gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, hidden.device)
-    return gluon is not None and gluon.applies(hidden, weight)
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -327,10 +309,9 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
 
 
 def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_ref, loss_grad, class_weight,
-           target_logit, return_metrics, row_count=None):
+           target_logit, return_metrics):
     """The logit kernel over a chunk: (tile statistics, target_logit, tile width, tiles a row).
-    Disabled statistics get the dummy tensor. With ``row_count`` the Gluon statistics skip the
-    rows past the count (the logit kernel computes them)."""
+    Disabled statistics get the dummy tensor."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)  # once a chunk: the state carries it to the buffer's passes
@@ -359,7 +340,7 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     gluon = (_gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
              if mode == K.MODE_STATS and not pick_target else None)
     if gluon is not None and gluon.applies(hidden, weight) \
-            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device, row_count):
+            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
@@ -404,15 +385,14 @@ def _gluon_stats_module():
 _gluon_compiled: set[tuple] = set()
 
 
-def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row_count=None) -> bool:
+def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device) -> bool:
     """Launches ``_gluon_stats``' kernel; False (and the logit kernel from then on, with a
     warning) if its first launch of a specialisation fails: Gluon is experimental, and another
     Triton's may refuse this code where the logit kernel's language does not move."""
     global _gluon_stats
     key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, device)
     try:
-        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device),
-                         row_count=row_count)
+        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device))
     except Exception as error:
         if key in _gluon_compiled:  # it ran before: a failure of the launch itself
             raise
@@ -441,34 +421,29 @@ def _or_dummy(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False, row_count=None):
+              class_weight=None, target_logit=None, return_metrics=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
     exponentials that ``row_factors`` turns into a factored gradient; the sweep leaves the
     target's logit to ``target_logit`` [rows] then (``row_reference``'s). Returns the stats and
     the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
     with label smoothing only) weights the logit sum; with ``return_metrics`` the stats carry
-    each row's entropy term and argmax too. With ``row_count`` (count int64 [1] on the device,
-    start) only rows [0, count - start) have a loss: the Gluon statistics skip the others, and
-    they get an empty row's statistics (max 0, sum of exponentials 1: lse 0)."""
+    each row's entropy term and argmax too."""
     n_rows = hidden.shape[0]
     device = hidden.device
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, bias, targets, opts, shifted_out, row_ref,
-                                                          loss_grad, class_weight, target_logit, return_metrics,
-                                                          row_count)
+                                                          loss_grad, class_weight, target_logit, return_metrics)
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32)
-    count, start = (_dummy(device), 0) if row_count is None else row_count
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
         *tile_stats,
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device), count,
-        n_rows, num_tiles, start,
+        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device),
+        n_rows, num_tiles,
         RETURN_METRICS=return_metrics,
         HAS_SMOOTHING=opts.has_smoothing,
         ROW_REFERENCE=row_ref is not None,
-        COUNTED=row_count is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
         ACC_DTYPE=_acc_dtype(hidden.dtype),

@@ -20,19 +20,13 @@ from ._options import LossOptions, RowResults, RowStats
 @runtime_checkable
 class Backend(Protocol):
     def chunk_rows(self, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-                   spread: bool = True, hidden_size: int = 0, row_block: int = 128, counted: bool = False) -> int:
+                   spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
         """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk; a
-        forward's in whole ``row_block``s; ``counted``: a forward whose rows past the count of
-        rows with a loss are skipped on the device (``counts_on_device``)."""
+        forward's in whole ``row_block``s."""
 
     def row_block(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool,
                   return_metrics: bool, device: torch.device) -> int:
         """Rows a tile of this call's statistics sweeps (128 or more): chunks are planned in them."""
-
-    def counts_on_device(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         opts: LossOptions, training: bool, return_metrics: bool) -> bool:
-        """Whether ``row_stats`` skips the rows past a ``row_count`` on the device (so that the
-        chunk loop need not read the count on the host)."""
 
     def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the
@@ -49,13 +43,10 @@ class Backend(Protocol):
                   targets: torch.Tensor, opts: LossOptions, shifted_out: torch.Tensor | None = None,
                   row_ref: torch.Tensor | None = None, loss_grad: torch.Tensor | None = None,
                   class_weight: torch.Tensor | None = None, target_logit: torch.Tensor | None = None,
-                  return_metrics: bool = False,
-                  row_count: tuple[torch.Tensor, int] | None = None) -> tuple[RowStats, Any]:
+                  return_metrics: bool = False) -> tuple[RowStats, Any]:
         """Softmax statistics [rows] of hidden [rows, H] against weight [V, H] (+ bias [V]), and
         the state that ``grad_from_stored`` / ``row_factors`` take; ``shifted_out`` (a buffer)
-        keeps what the gradient is made from. With ``row_count`` (count int64 [1] on the device,
-        start) only rows [0, count - start) have a loss: the others get an empty row's
-        statistics (max 0, sum of exponentials 1, so lse 0), as rows never computed."""
+        keeps what the gradient is made from."""
 
     def finalize(self, stats: RowStats, targets: torch.Tensor, opts: LossOptions, vocab_size: int,
                  out: RowResults, return_metrics: bool = False) -> None:

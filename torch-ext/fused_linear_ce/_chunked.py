@@ -101,12 +101,12 @@ class _RowOrder:
     queued (``rows_to_compute``): the GPU never waits for the read. Also holds the ordered
     targets, the count on the device and each ordered row's d loss / d loss_i."""
 
-    def __init__(self, backend, targets: torch.Tensor, ignore_index: int, mean: bool, host_count: bool = True):
+    def __init__(self, backend, targets: torch.Tensor, ignore_index: int, mean: bool):
         self.order, self.targets, self.count, self.loss_grad = backend.order_rows(targets, ignore_index, mean)
         self.n_rows = targets.shape[0]
         self.in_place = 0  # rows [0, in_place) of the order are known to be the identity
         self._ready = None
-        if targets.is_cuda and host_count:  # the count's copy to the host, queued now
+        if targets.is_cuda:
             self._count = torch.empty(1, dtype=torch.int64, pin_memory=True)
             self._count.copy_(self.count, non_blocking=True)
             self._ready = torch.cuda.Event()
@@ -134,16 +134,15 @@ class _RowOrder:
         return torch.empty_like(values).index_copy_(0, self.order, values)
 
 
-def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str, all_rows: bool,
-               host_count: bool = True):
+def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str, all_rows: bool):
     """A ``_RowOrder``, or None (compute every row in place) when every row's lse is wanted,
-    while a CUDA graph is captured if the host must read the count (it cannot then), or with
-    FLCE_SKIP_IGNORED=0. Without ``host_count`` the chunks stop at the count on the device."""
+    while a CUDA graph is captured (the host cannot read the count then), or with
+    FLCE_SKIP_IGNORED=0."""
     if all_rows or targets.numel() == 0 or env_int("FLCE_SKIP_IGNORED", 1) == 0:
         return None
-    if host_count and targets.is_cuda and torch.cuda.is_current_stream_capturing():
+    if targets.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean", host_count)
+    return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean")
 
 
 def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool,
@@ -282,14 +281,13 @@ def _concat_stats(chunks: list[RowStats]) -> RowStats:
 
 
 def _plan_chunk(backend, n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, training: bool,
-                shard: Shard | None, spread: bool = True, row_block: int = 128, counted: bool = False) -> int:
+                shard: Shard | None, spread: bool = True, row_block: int = 128) -> int:
     """Rows per chunk; under vocabulary parallelism the same on every rank (see _distributed).
     Without ``spread`` the largest chunk: when ignored rows are skipped, ``n_rows`` overstates
-    the rows to compute, and spreading it evenly would plan more chunks than they need.
-    ``counted``: a forward whose sweeps skip on the device the rows past the count."""
+    the rows to compute, and spreading it evenly would plan more chunks than they need."""
     if shard is None:
         return backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, training, spread=spread, hidden_size=hidden_size,
-                                  row_block=row_block, counted=counted)
+                                  row_block=row_block)
     return backend.chunk_rows(max(n_rows, 1), shard.planning_vocab_size, dtype, training, shard.world_size,
                               spread=spread, hidden_size=hidden_size, row_block=row_block)
 
@@ -391,18 +389,13 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     backend = backend_for(device)
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
-    # A forward whose sweep skips on the device the rows past the count of rows with a loss plans
-    # every chunk from n_rows: the host never waits for the count (nor does a graph capture).
-    on_device = shard is None and backend.counts_on_device(hidden, weight, bias, opts, training, return_metrics)
-    row_order = _row_order(backend, targets, opts, reduction, all_rows, host_count=not on_device)
-    counted = on_device and row_order is not None
+    row_order = _row_order(backend, targets, opts, reduction, all_rows)
     # Under vocabulary parallelism every rank plans the same chunks: the 128-row blocks of all.
     row_block = 128 if shard is not None else backend.row_block(hidden.dtype, opts, bias is not None, training,
                                                                 return_metrics, device)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden_size, hidden.dtype, training, shard,
-                        spread=row_order is None or counted, row_block=row_block, counted=counted)
-    first = min(chunk, n_rows) if counted else _first_chunk_rows(n_rows, chunk, row_order, training, row_block)
-    spans = _chunks(n_rows, chunk) if counted else _spans(n_rows, chunk, row_order, first, row_block)
+                        spread=row_order is None, row_block=row_block)
+    first = _first_chunk_rows(n_rows, chunk, row_order, training, row_block)
     if row_order is not None:
         targets = row_order.targets
     results = _new_results(n_rows, return_metrics, f32)
@@ -446,7 +439,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         references = backend.row_reference(hidden, weight, slice_targets, opts,
                                            rows=None if row_order is None else row_order.order)
     computed = 0
-    for start, end in spans:
+    for start, end in _spans(n_rows, chunk, row_order, first, row_block):
         computed = end
         hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
         targets_c = slice_targets[start:end]
@@ -475,8 +468,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
                                          loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
-                                         target_logit=target_logit, return_metrics=return_metrics,
-                                         row_count=(row_order.count, start) if counted else None)
+                                         target_logit=target_logit, return_metrics=return_metrics)
         if merge_once:
             chunk_stats.append(stats)
             continue

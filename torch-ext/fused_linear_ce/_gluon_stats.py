@@ -43,8 +43,7 @@ def _tile_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks):
     """The logit kernel's order: row blocks of a group fastest, then columns, then groups."""
     group = tile_id // (group_blocks * num_col_tiles)
     first_block = group * group_blocks
-    # (at least 1: a program with no tile, where no row block has a loss, divides by it too)
-    blocks_in_group = gl.maximum(gl.minimum(num_row_blocks - first_block, group_blocks), 1)
+    blocks_in_group = gl.minimum(num_row_blocks - first_block, group_blocks)
     in_group = tile_id - first_block * num_col_tiles
     return first_block + in_group % blocks_in_group, in_group // blocks_in_group
 
@@ -190,12 +189,11 @@ def _group_2(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, v
 
 
 @gluon.jit
-def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_count_ptr, row_start, n_rows, vocab_size,
-                      hidden_size, group_blocks, EVEN_V: gl.constexpr, COUNTED: gl.constexpr):
+def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size, group_blocks,
+                      EVEN_V: gl.constexpr):
     """Tile statistics [n_rows, ceil(V / 256)] fp32 of z = hidden [n_rows, H] @ weight [V, H].T:
     each (row, 256-column tile)'s max and sum of exp(z - max), persistent over 192 x 256 tiles
-    taken in groups of ``group_blocks`` row blocks (the logit kernel's order). With COUNTED, only
-    the row blocks that hold rows [0, count - row_start) (count: int64 [1] at ``row_count_ptr``)."""
+    taken in groups of ``group_blocks`` row blocks (the logit kernel's order)."""
     a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES * GROUPS, ROWS_PER_GROUP, BLOCK_K], h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -203,10 +201,7 @@ def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_count_ptr,
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=GROUPS)
-    n_counted = n_rows
-    if COUNTED:  # the rows past the count, known on the device only, are ignored rows: skipped
-        n_counted = gl.minimum(gl.maximum(gl.load(row_count_ptr).to(gl.int32) - row_start, 0), n_rows)
-    num_row_blocks = gl.cdiv(n_counted, GROUPS * ROWS_PER_GROUP)
+    num_row_blocks = gl.cdiv(n_rows, GROUPS * ROWS_PER_GROUP)
     num_col_tiles = gl.cdiv(vocab_size, BLOCK_V)
     k_steps = gl.cdiv(hidden_size, BLOCK_K)
     args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
@@ -242,12 +237,11 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tensor, tile_sum_exp: torch.Tensor,
-               group_rows: int, programs: int, row_count: tuple[torch.Tensor, int] | None = None) -> None:
+               group_rows: int, programs: int) -> None:
     """Writes each (row, 256-column tile)'s max and sum of exp(z - max) of z = hidden [n_rows, H]
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
     contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
-    persistent programs. With ``row_count`` (count int64 [1] on the device, start) only the
-    192-row blocks that hold rows [0, count - start) are computed, the others left as they are."""
+    persistent programs."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     if n_rows == 0 or vocab_size == 0:
@@ -257,8 +251,6 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, dtype))
     num_tiles = triton.cdiv(n_rows, BLOCK_N) * triton.cdiv(vocab_size, BLOCK_V.value)
-    count, start = (tile_max, 0) if row_count is None else row_count  # (tile_max: any pointer, unread)
     tile_stats_kernel[(min(num_tiles, programs),)](
-        h_desc, w_desc, tile_max, tile_sum_exp, count, start, n_rows, vocab_size, hidden_size,
-        max(1, group_rows // BLOCK_N), EVEN_V=vocab_size % BLOCK_V.value == 0, COUNTED=row_count is not None,
-        num_warps=4)
+        h_desc, w_desc, tile_max, tile_sum_exp, n_rows, vocab_size, hidden_size, max(1, group_rows // BLOCK_N),
+        EVEN_V=vocab_size % BLOCK_V.value == 0, num_warps=4)
