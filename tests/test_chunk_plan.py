@@ -109,6 +109,10 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
     assert _plan(flce, 8192, 4032, 7405, training=False, row_block=192) == (4032, [(0, 4032), (4032, 7405)])
     # rows that fit one chunk: half first, in whole tiles
     assert _plan(flce, 4000, 4032, 3600, training=False, row_block=192)[0] == 2112
+    # rows that pass one chunk but fit two (Llama-3 at N = 4096: 3686 with a loss): half first
+    # too, not a whole chunk of 4032 with 346 ignored rows in it
+    assert _plan(flce, 4096, 4032, 3686, training=False, row_block=192) == (2112, [(0, 2112), (2112, 3686)])
+    assert _plan(flce, 6000, 4032, 5400, training=False, row_block=192) == (3072, [(0, 3072), (3072, 5400)])
     # a training step plans in the logit kernel's 128-row blocks whatever the forward's tile
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1408
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096, row_block=192) == 1536
