@@ -113,16 +113,9 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
     # too, not a whole chunk of 4032 with 346 ignored rows in it
     assert _plan(flce, 4096, 4032, 3686, training=False, row_block=192) == (2112, [(0, 2112), (2112, 3686)])
     assert _plan(flce, 6000, 4032, 5400, training=False, row_block=192) == (3072, [(0, 3072), (3072, 5400)])
-    # a training step in 192-row tiles (the factored sweep in Gluon): whole tiles too, within
-    # the memory bound of 128-row blocks (1536 rows on Llama-2's head, 1408 spread in 128s)
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=128) == 1408
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1536
+    # a training step plans in the logit kernel's 128-row blocks whatever the forward's tile
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1408
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096, row_block=192) == 1536
-    # Gemma-2's (2304, 256000) with a 700 MiB buffer: 1433 rows, so 1408 in 128s and 1344 in 192s
-    monkeypatch.setenv("FLCE_BUFFER_MIB", "700")
-    assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1408
-    assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304,
-                              row_block=192) == 1344
 
 
 def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
@@ -134,12 +127,12 @@ def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
         assert backend.row_block(torch.bfloat16, options, False, False, False, torch.device("cpu")) == 128
 
 
-def test_a_sweep_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_it(flce, monkeypatch):
+def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce, monkeypatch):
     """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
-    Hopper device: a 16-bit forward of plain logits, and a bf16 training step whose gradient is
-    factored, plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing,
-    fp32 inputs or the tiles' own target pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128
-    rows. z-loss does not change the statistics, so a forward with it keeps the Gluon tiles."""
+    Hopper device: a 16-bit forward of plain logits plans in its 192-row tiles; gradients,
+    metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs or the tiles' own target
+    pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128 rows. z-loss does not change the
+    statistics, so it keeps the Gluon tiles."""
     backend = submodule(flce, "_triton_backend")
     options = submodule(flce, "_options").LossOptions
 
@@ -158,15 +151,8 @@ def test_a_sweep_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_it(flc
         return backend.row_block(dtype, options(**opts), has_bias, training, return_metrics, cuda)
 
     assert block() == 192 and block(torch.float16) == 192 and block(z_loss_scale=1e-4) == 192
-    assert block(return_metrics=True) == block(has_bias=True) == 128
+    assert block(training=True) == block(return_metrics=True) == block(has_bias=True) == 128
     assert block(logit_scale=0.5) == block(softcap=30.0) == block(label_smoothing=0.1) == 128
     assert block(torch.float32) == 128
-    # training: the factored sweep (bf16, plain logits) in Gluon; fp16 (not factored), z-loss
-    # (not factored either), metrics, a bias or FLCE_GLUON_TRAINING=0 keep 128
-    assert block(training=True) == 192
-    assert block(torch.float16, training=True) == block(training=True, z_loss_scale=1e-4) == 128
-    assert block(training=True, return_metrics=True) == block(training=True, has_bias=True) == 128
-    monkeypatch.setenv("FLCE_GLUON_TRAINING", "0")
-    assert block(training=True) == 128 and block() == 192
     monkeypatch.setenv("FLCE_TILE_TARGET", "0")
     assert block() == 128

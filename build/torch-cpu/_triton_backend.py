@@ -110,11 +110,11 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     size) bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone,
     then the fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
     grad_weight's product, beside that block: H x (element size + 4)); the forward
-    alone keeps only per-tile statistics and takes up to 4096 rows. Chunks are whole
-    ``row_block``s (the sweep's rows a tile), at least one. With ``spread`` the ``n_rows`` are
-    then spread evenly over the chunks, so that no small last chunk runs at a loss; without it
-    (the rows to compute are not known yet) the largest chunk. A vocabulary slice of one of
-    ``shards`` ranks takes ``shards`` times the rows."""
+    alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
+    ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
+    last chunk runs at a loss; without it (the rows to compute are not known yet) the
+    largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows.
+    A forward's chunks are whole ``row_block``s (``row_block``: the sweep's rows a tile)."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
@@ -125,23 +125,22 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
-    most = max(row_block, most // row_block * row_block)
+        most = max(row_block, most // row_block * row_block)
     if n_rows <= most:
         return max(1, n_rows)
     if not spread:
         return most
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
-    return min(most, triton.cdiv(per_chunk, row_block) * row_block)
+    block = 128 if training else row_block
+    return min(most, triton.cdiv(per_chunk, block) * block)
 
 
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
               device: torch.device) -> int:
-    """Rows a tile of the sweeps, in which the chunks are planned: 192 where ``_gluon_stats``
-    computes them (``_gluon_sweep``: the forward's statistics, and training's factored sweep),
-    128 (the logit kernel's) elsewhere."""
-    if training and not (factored_gradient(dtype, opts, has_bias) and _gluon_training()):
-        return 128
-    gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
+    """Rows a tile of the forward's statistics sweeps, in which its chunks are planned: 192
+    where ``_gluon_stats`` computes them (``_gluon_sweep``; training's sweeps never do), 128
+    (the logit kernel's) elsewhere."""
+    gluon = None if training else _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
     return 128 if gluon is None else gluon.BLOCK_N
 
 
@@ -338,12 +337,10 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
-    gluon = None
-    if mode == K.MODE_STATS and not pick_target or mode == K.MODE_STATS_AND_EXP and _gluon_training():
-        gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
-    exp_args = (row_ref, loss_grad, shifted_out) if mode == K.MODE_STATS_AND_EXP else ()
+    gluon = (_gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
+             if mode == K.MODE_STATS and not pick_target else None)
     if gluon is not None and gluon.applies(hidden, weight) \
-            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device, *exp_args):
+            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
@@ -351,19 +348,12 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     return tile_stats, target_logit, block_v, num_tiles
 
 
-def _gluon_training() -> bool:
-    """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
-    (FLCE_GLUON_TRAINING, default 1; FLCE_GLUON=0 turns off both sweeps)."""
-    return env_int("FLCE_GLUON_TRAINING", 1) == 1
-
-
 def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
                  device: torch.device):
-    """``_gluon_stats`` where it computes a statistics sweep (mode 0, or the factored training
-    sweep, mode 3) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
-    logits z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters
-    only the loss), no metrics, the target logit from the tensor-core product and the logit
-    kernel's 256-column tiles."""
+    """``_gluon_stats`` where it computes a statistics sweep (mode 0) of inputs of ``dtype`` on
+    ``device``, else None: 16-bit inputs on Hopper, the logits z = h W^T alone (no bias, logit
+    scale, softcap or smoothing's logit sum; z-loss enters only the loss), no metrics, the target
+    logit from the tensor-core product and the logit kernel's 256-column tiles."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
         return None
     if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing or not _tensor_core_target():
@@ -395,17 +385,14 @@ def _gluon_stats_module():
 _gluon_compiled: set[tuple] = set()
 
 
-def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row_ref=None, loss_grad=None,
-                      buffer=None) -> bool:
-    """Launches ``_gluon_stats``' kernel (with ``buffer``, the factored sweep's); False (and the
-    logit kernel from then on, with a warning) if its first launch of a specialisation fails:
-    Gluon is experimental, and another Triton's may refuse this code where the logit kernel's
-    language does not move."""
+def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device) -> bool:
+    """Launches ``_gluon_stats``' kernel; False (and the logit kernel from then on, with a
+    warning) if its first launch of a specialisation fails: Gluon is experimental, and another
+    Triton's may refuse this code where the logit kernel's language does not move."""
     global _gluon_stats
-    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, buffer is not None, device)
+    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, device)
     try:
-        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device),
-                         row_ref, loss_grad, buffer)
+        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device))
     except Exception as error:
         if key in _gluon_compiled:  # it ran before: a failure of the launch itself
             raise

@@ -1,4 +1,4 @@
-"""The logit sweep's tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, runs 43-44, 51).
+"""The forward's tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, runs 43-44).
 
 The logit kernel (``_kernels._logit_tile_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
@@ -8,12 +8,10 @@ K step, three 64-row blocks of hidden and one 256-row block of weight. A tile th
 Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles. On the H200 it ran the
 statistics 1-3% faster a flop than the logit kernel (``benchmarks/gluon_probe.py``).
 
-Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
-logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
-(the logit kernel's mode 0 without the target pick) and the factored training sweep (its mode 3,
-STORE_EXP: the sums relative to each row's reference, and the exponentials stored to the chunk
-buffer). Everything else, and every GPU without Hopper's wgmma or a Triton without this Gluon
-API (it is experimental and moves: written for Triton 3.6), uses the logit kernel. The
+Only the statistics of plain logits take this path (MODE_STATS without bias, logit scale, softcap
+or smoothing's logit sum, without metrics and without the target pick; z-loss and class weights
+enter the loss only); everything else, and every GPU without Hopper's wgmma or a Triton without
+this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit kernel. The
 interpreter runs no Gluon: the GPU tests check this path against float64, and the CPU tests
 compile it for sm_90 (``scripts/compile_sm90.py --gluon``).
 
@@ -29,8 +27,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-from ._kernels import REFERENCE_GAP
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -108,44 +104,25 @@ def _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.conste
 
 
 @gluon.jit
-def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which: gl.constexpr,
-                   EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
-    """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - m), m the tile max;
-    with STORE_EXP (the logit kernel's mode 3), m is the row's reference unless the tile max passes
-    it by more than REFERENCE_GAP (``_kernels._exp_reference``), and exp(z - m) goes to the chunk
-    buffer (0 on rows without gradient). ``out``: the kernel's pointers (and buffer stride) it writes
-    and reads, (tile_max, tile_sum[, row_ref, loss_grad, buffer, stride_buffer])."""
-    tile_max_ptr = out[0]
-    tile_sum_ptr = out[1]
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    cols = pid_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=col_layout)
+def _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v,
+                   which: gl.constexpr, EVEN_V: gl.constexpr):
+    """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - max)."""
     if not EVEN_V:  # columns past the vocabulary (zeros from the copy engine) take no part
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        cols = pid_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=col_layout)
         acc = gl.where((cols < vocab_size)[None, :], acc, float("-inf"))
-    rows = (pid_n * GROUPS + which) * ROWS_PER_GROUP + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
-    row_mask = rows < n_rows
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     tile_max = gl.max(acc, axis=1)
-    reference = tile_max
-    if STORE_EXP:
-        row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
-        reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
-    exp_shifted = gl.exp(acc - reference[:, None])
-    sum_exp = gl.sum(exp_shifted, axis=1)
+    sum_exp = gl.sum(gl.exp(acc - tile_max[:, None]), axis=1)
+    rows = (pid_n * GROUPS + which) * ROWS_PER_GROUP + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
-    gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
-    gl.store(tile_sum_ptr + stat, sum_exp, mask=row_mask)
-    if STORE_EXP:
-        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=0.0)
-        exp_shifted = gl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
-        buffer_ptr = out[4]
-        offsets = rows.to(gl.int64)[:, None] * out[5] + cols[None, :]
-        gl.store(buffer_ptr + offsets, exp_shifted.to(buffer_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (cols < vocab_size)[None, :])
+    gl.store(tile_max_ptr + stat, tile_max, mask=rows < n_rows)
+    gl.store(tile_sum_ptr + stat, sum_exp, mask=rows < n_rows)
 
 
 @gluon.jit
-def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
+def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
+                   num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
     """Warpgroup 0 (the default partition): its rows of every tile of this program, and every
     stage's loads, STAGES - 1 steps ahead of its products."""
     programs = gl.num_programs(0)
@@ -181,75 +158,42 @@ def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vo
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-        _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, 0, EVEN_V, STORE_EXP)
+        _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, 0, EVEN_V)
 
 
 @gluon.jit
-def _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-           group_blocks, which: gl.constexpr, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
+def _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+           num_col_tiles, k_steps, group_blocks, which: gl.constexpr, EVEN_V: gl.constexpr):
     """Warpgroup ``which`` (1 or 2, a worker partition): its rows of every tile of this program."""
     step = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
         pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
         acc = _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which)
         step += k_steps
-        _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which, EVEN_V, STORE_EXP)
-
-
-# The partitions, one set a mode: warp_specialize hands its arguments over as values, so the
-# flags that must stay compile-time (STORE_EXP: which pointers ``out`` holds) are literals here.
-@gluon.jit
-def _loading_stats(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, EVEN_V):
-    _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, EVEN_V, False)
+        _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which,
+                       EVEN_V)
 
 
 @gluon.jit
-def _loading_exp(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
-                 num_col_tiles, k_steps, group_blocks, EVEN_V):
-    _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
-                   num_col_tiles, k_steps, group_blocks, EVEN_V, True)
+def _group_1(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+             num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
+    _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+           num_col_tiles, k_steps, group_blocks, 1, EVEN_V)
 
 
 @gluon.jit
-def _group_1_stats(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                   group_blocks, EVEN_V):
-    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-           group_blocks, 1, EVEN_V, False)
+def _group_2(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+             num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
+    _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+           num_col_tiles, k_steps, group_blocks, 2, EVEN_V)
 
 
 @gluon.jit
-def _group_2_stats(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                   group_blocks, EVEN_V):
-    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-           group_blocks, 2, EVEN_V, False)
-
-
-@gluon.jit
-def _group_1_exp(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                 group_blocks, EVEN_V):
-    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-           group_blocks, 1, EVEN_V, True)
-
-
-@gluon.jit
-def _group_2_exp(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                 group_blocks, EVEN_V):
-    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-           group_blocks, 2, EVEN_V, True)
-
-
-@gluon.jit
-def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_ptr,
-                      stride_buffer, n_rows, vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr,
-                      STORE_EXP: gl.constexpr):
+def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size, group_blocks,
+                      EVEN_V: gl.constexpr):
     """Tile statistics [n_rows, ceil(V / 256)] fp32 of z = hidden [n_rows, H] @ weight [V, H].T:
-    each (row, 256-column tile)'s max and sum of exp(z - m), persistent over 192 x 256 tiles
-    taken in groups of ``group_blocks`` row blocks (the logit kernel's order). m is the tile max;
-    with STORE_EXP, as in the logit kernel's mode 3, the reference of row_ref [n_rows] (fp32)
-    and exp(z - m) stored to buffer [n_rows, V] (row stride ``stride_buffer``), zero on the rows
-    whose loss_grad [n_rows] (fp32) is 0. Without it the last four pointers are not read."""
+    each (row, 256-column tile)'s max and sum of exp(z - max), persistent over 192 x 256 tiles
+    taken in groups of ``group_blocks`` row blocks (the logit kernel's order)."""
     a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES * GROUPS, ROWS_PER_GROUP, BLOCK_K], h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -260,19 +204,10 @@ def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, l
     num_row_blocks = gl.cdiv(n_rows, GROUPS * ROWS_PER_GROUP)
     num_col_tiles = gl.cdiv(vocab_size, BLOCK_V)
     k_steps = gl.cdiv(hidden_size, BLOCK_K)
-    # Only what the epilogue reads goes to the partitions (unused captures fail Triton 3.6's lowering).
-    if STORE_EXP:
-        out = (tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_ptr, stride_buffer)
-        args = (a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                group_blocks, EVEN_V)
-        gl.warp_specialize([(_loading_exp, (h_desc, w_desc) + args), (_group_1_exp, args), (_group_2_exp, args)],
-                           [4, 4], [168, 168])
-    else:
-        out = (tile_max_ptr, tile_sum_ptr)
-        args = (a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
-                group_blocks, EVEN_V)
-        gl.warp_specialize([(_loading_stats, (h_desc, w_desc) + args), (_group_1_stats, args),
-                            (_group_2_stats, args)], [4, 4], [168, 168])
+    args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
+            num_col_tiles, k_steps, group_blocks, EVEN_V)
+    gl.warp_specialize([(_loading_group, (h_desc, w_desc) + args), (_group_1, args), (_group_2, args)],
+                       [4, 4], [168, 168])
 
 
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -302,14 +237,11 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tensor, tile_sum_exp: torch.Tensor,
-               group_rows: int, programs: int, row_ref: torch.Tensor | None = None,
-               loss_grad: torch.Tensor | None = None, buffer: torch.Tensor | None = None) -> None:
+               group_rows: int, programs: int) -> None:
     """Writes each (row, 256-column tile)'s max and sum of exp(z - max) of z = hidden [n_rows, H]
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
     contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
-    persistent programs. With ``buffer`` [n_rows, V] (the inputs' dtype, unit column stride),
-    ``row_ref`` and ``loss_grad`` [n_rows] fp32, the logit kernel's mode 3 instead: the sums are
-    relative to each row's reference and exp(z - reference) goes to ``buffer``."""
+    persistent programs."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     if n_rows == 0 or vocab_size == 0:
@@ -319,12 +251,6 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, dtype))
     num_tiles = triton.cdiv(n_rows, BLOCK_N) * triton.cdiv(vocab_size, BLOCK_V.value)
-    store_exp = buffer is not None
-    if store_exp:
-        assert row_ref is not None and loss_grad is not None and buffer.stride(1) == 1
-    unused = tile_max  # a pointer the kernel does not read without STORE_EXP
     tile_stats_kernel[(min(num_tiles, programs),)](
-        h_desc, w_desc, tile_max, tile_sum_exp, row_ref if store_exp else unused,
-        loss_grad if store_exp else unused, buffer if store_exp else hidden, buffer.stride(0) if store_exp else 0,
-        n_rows, vocab_size, hidden_size, max(1, group_rows // BLOCK_N),
-        EVEN_V=vocab_size % BLOCK_V.value == 0, STORE_EXP=store_exp, num_warps=4)
+        h_desc, w_desc, tile_max, tile_sum_exp, n_rows, vocab_size, hidden_size, max(1, group_rows // BLOCK_N),
+        EVEN_V=vocab_size % BLOCK_V.value == 0, num_warps=4)
