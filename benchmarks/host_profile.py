@@ -37,7 +37,7 @@ from bench import ROWS, GpuSampler, environment, load_flce, make_inputs, make_me
 from explore import kernel_breakdown  # noqa: E402
 
 BACKEND_CALLS = ("order_rows", "row_reference", "row_stats", "finalize", "row_factors", "scale_rows",
-                 "factored_chunk", "new_buffer", "grad_from_stored", "chunk_rows")
+                 "factored_chunk", "add_target_rows", "new_buffer", "grad_from_stored", "chunk_rows")
 
 
 def _timed(totals: dict, name: str, fn):

@@ -60,7 +60,8 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
 ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
                 "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
-                "weight_ptr": "*bf16"}
+                "weight_ptr": "*bf16", "dst_rows_ptr": "*i64", "dst_ptr": "*bf16", "acc_ptr": "*bf16",
+                "sorted_targets_ptr": "*i64", "segment_end_ptr": "*i64", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
@@ -68,6 +69,8 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
     "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
     "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
+    "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
+    "_target_rows_kernel": dict(BLOCK_H=1024),
 }
 
 

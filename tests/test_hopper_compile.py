@@ -42,11 +42,12 @@ def test_a_combination_the_launches_never_make_is_refused():
 
 def test_the_row_kernels_compile_for_sm90():
     """The per-row kernels (merge, finalize, factors, the fused factored pass, the tensor-core
-    target logit), flags off and on; the target logit's product runs on wgmma, as the logit
-    kernel's does (its rounding is what it must share), and the memory-bound passes do not."""
+    target logit, the row scaling with its target terms, grad_weight's target rows), flags off
+    and on; the target logit's product runs on wgmma, as the logit kernel's does (its rounding
+    is what it must share), and the memory-bound passes do not."""
     run = _compile("--modes", "0", "--row-kernels")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": ok ") == 1 + 2 * 5
+    assert run.stdout.count(": ok ") == 1 + 2 * 7
     lines = [line for line in run.stdout.splitlines() if line.startswith("_")]
     assert [line.endswith(" wgmma") for line in lines] == [name.startswith("_picked_logit_dot") for name in lines]
 

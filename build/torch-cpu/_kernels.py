@@ -36,16 +36,21 @@ taken relative to it.
 
 Factored gradients (MODE_STATS_AND_EXP). Given a reference R_i per row, the tile sweep can
 store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without bias, softcap, smoothing or
-z-loss the gradient is then G = diag(r) E' with r_i = s g_i exp(R_i - lse_i) (g_i = d out /
-d loss_i) and E' = E minus exp(lse_i - R_i) at each row's target, so that
+z-loss the gradient is then G = diag(r) E' + diag(c) T with r_i = s g_i exp(R_i - lse_i)
+(g_i = d out / d loss_i), E' = E with each row's target entry set to 0, T the one-hot targets
+and c_i = s g_i (p_it - 1) the gradient's target entry, so that
 
-    grad_hidden = diag(r) (E' @ W)        grad_weight += E'^T @ (diag(r) H)
+    grad_hidden = diag(r) (E' @ W) + diag(c) W[t]
+    grad_weight += E'^T @ (diag(r) H),  then grad_weight[t_i] += c_i h_i (once, at the end)
 
-and no pass over the chunk's buffer is needed once lse is known. R_i starts as a cheap lower
-bound of the row max (the max over a sample of the vocabulary, B_i); a tile whose max passes
-B_i by more than REFERENCE_GAP keeps its own max as reference instead (exp(z - B_i) could
-overflow 16 bits there), and ``_row_factors_kernel`` later moves such rare rows to their
-true max. Entries below exp(-87) of their reference flush to zero, as exp does in fp32.
+and no pass over the chunk's buffer is needed once lse is known. The target entry, a row's
+largest term where its softmax is spread, so stays out of the 16-bit products and of the
+rounding of grad_weight's running sum: it is added in fp32, with h_i exact, at the sum's one
+last rounding (as PyTorch's G_it = p_t - 1 meets h_i in one product). R_i starts as a cheap
+lower bound of the row max (the target's logit, B_i); a tile whose max passes B_i by more than
+REFERENCE_GAP keeps its own max as reference instead (exp(z - B_i) could overflow 16 bits
+there), and ``_row_factors_kernel`` later moves such rare rows to their true max. Entries
+below exp(-87) of their reference flush to zero, as exp does in fp32.
 """
 
 import triton
@@ -644,14 +649,14 @@ def _factor_rows(
     vocab_size, stride_buf_n, logit_scale,
     BLOCK_V: tl.constexpr,
 ):
-    """Makes the stored exponentials of rows ``offs_r`` the factored gradient, G = diag(r) E',
-    and returns r [BLOCK_R] fp32.
+    """Makes the stored exponentials of rows ``offs_r`` the factored gradient's E' and returns
+    (r, c) [BLOCK_R] fp32: G = diag(r) E' + diag(c) T (see the module's notes).
 
     A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
     than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
-    Then r = s g exp(R - lse), and exp(lse - R) is taken off at the target column, so that
-    r E'_it = s g (p_t - 1); r then takes that entry's 16-bit rounding, so that the product is
-    exact at the target. BLOCK_V must be the logit kernel's tile width.
+    Then r = s g exp(R - lse), the target's entry of the buffer becomes 0, and c = s g (p_t - 1)
+    with p_t = exp(B - lse) (B is the target's logit wherever the target is in this weight's
+    columns; c = 0 elsewhere). BLOCK_V must be the logit kernel's tile width.
     """
     offs_r64 = offs_r.to(tl.int64)
     moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
@@ -669,22 +674,13 @@ def _factor_rows(
             ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
             values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # the target entries below are read after their rescaled store
+        tl.debug_barrier()  # the target entries below are zeroed after their rescaled store
 
     at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
-    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
-    value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
-    value = value - tl.exp(lse - reference)
-    stored = value.to(buffer_ptr.dtype.element_ty)
-    tl.store(target_ptrs, stored, mask=at_target)
-    # E'_it is about 1 - 1/p_t, far from 16 bits' grid when p_t is small, where PyTorch's p_t - 1
-    # lies next to -1 and rounds almost exactly. Scaling r by value / stored makes r E'_it exact
-    # and moves the rounding, a relative 2^-8 at most, onto the row's other entries, whose sum
-    # (1 - p_t) is the target's and whose sum of squares is at most its square: no larger in
-    # either gradient, and much smaller where the row's mass is spread.
-    stored = stored.to(tl.float32)
-    exact = at_target & (stored != 0.0) & (tl.abs(stored) < float("inf"))  # no 0, inf or NaN
-    return tl.where(exact, factor * (value / tl.where(exact, stored, 1.0)), factor)
+    tl.store(buffer_ptr + offs_r64 * stride_buf_n + targets, tl.zeros_like(lse).to(buffer_ptr.dtype.element_ty),
+             mask=at_target)
+    target_grad = tl.where(at_target, logit_scale * loss_grad * (tl.exp(row_ref - lse) - 1.0), 0.0)
+    return factor, target_grad
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -698,6 +694,7 @@ def _row_factors_kernel(
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
     targets_ptr,  # [n_rows] int, columns of this weight (out of range: no target here)
     row_factor_ptr,  # [n_rows] fp32 out: r
+    target_grad_ptr,  # [n_rows] fp32 out: c, the gradient's target entry (0 without one here)
     # sizes and strides
     n_rows,
     vocab_size,
@@ -708,8 +705,8 @@ def _row_factors_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """The factored gradient's E' (in place) and r of a chunk's rows (``_factor_rows``), once
-    their lse over the whole vocabulary is known."""
+    """The factored gradient's E' (in place), r and c of a chunk's rows (``_factor_rows``),
+    once their lse over the whole vocabulary is known."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     row_max = tl.load(row_max_ptr + offs_r, mask=row_mask, other=0.0)
@@ -717,9 +714,10 @@ def _row_factors_kernel(
     lse = tl.load(lse_ptr + offs_r, mask=row_mask, other=0.0)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
-    factor = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
-                          vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r,
+                                       row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
+    tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -743,6 +741,7 @@ def _factored_rows_kernel(
     correct_ptr,  # [n_rows] int32 out                  (RETURN_METRICS)
     entropy_ptr,  # [n_rows] fp32 out                   (RETURN_METRICS)
     row_factor_ptr,  # [n_rows] fp32 out: r
+    target_grad_ptr,  # [n_rows] fp32 out: c, the gradient's target entry
     hidden_ptr,  # [n_rows, H] the chunk's hidden rows  (SCALE_HIDDEN)
     scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous (SCALE_HIDDEN)
     # sizes, strides and scalars
@@ -765,7 +764,7 @@ def _factored_rows_kernel(
 ):
     """Everything a factored chunk's rows need after its sweep, in one launch, when its weight
     is the whole vocabulary (no merge across shards): the merged statistics (``_merge_tiles``),
-    lse, loss and metrics (``_finalize``), E' and r (``_factor_rows``), and with SCALE_HIDDEN
+    lse, loss and metrics (``_finalize``), E', r and c (``_factor_rows``), and with SCALE_HIDDEN
     the right-hand side of grad_weight's product, diag(r) hidden."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
@@ -789,9 +788,10 @@ def _factored_rows_kernel(
     _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
                    RETURN_METRICS=RETURN_METRICS)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
-    factor = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
-                          vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r,
+                                       row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
+    tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
     if SCALE_HIDDEN:
         offs_r64 = offs_r.to(tl.int64)
         for k in range(0, hidden_size, BLOCK_H):
@@ -956,16 +956,24 @@ def _scale_rows_kernel(
     factor_ptr,  # [n_rows] fp32
     dst_ptr,  # [*, n_cols] out, unit column stride: row i of the result goes to row dst_rows[i] (or i)
     dst_rows_ptr,  # [n_rows] int64                   (HAS_DST_ROWS)
+    target_grad_ptr,  # [n_rows] fp32 c               (TARGET_TERMS)
+    targets_ptr,  # [n_rows] int, columns of weight   (TARGET_TERMS; out of range: no term)
+    weight_ptr,  # [V, n_cols] any strides            (TARGET_TERMS)
     n_rows,
     n_cols,
+    vocab_size,
     stride_src_row,
     stride_src_col,
     stride_dst,
+    stride_wv,
+    stride_wk,
     HAS_DST_ROWS: tl.constexpr,
+    TARGET_TERMS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """dst[dst_rows[i]] = factor[i] * src[i], computed in fp32 and rounded once to dst's dtype."""
+    """dst[dst_rows[i]] = factor[i] * src[i] (with TARGET_TERMS + c[i] * weight[targets[i]]: the
+    factored grad_hidden's target term), computed in fp32 and rounded once to dst's dtype."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = offs_r < n_rows
@@ -977,7 +985,55 @@ def _scale_rows_kernel(
     if HAS_DST_ROWS:
         dst_rows = tl.load(dst_rows_ptr + offs_r, mask=row_mask, other=0)
     value = src.to(tl.float32) * factor[:, None]
+    if TARGET_TERMS:
+        targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
+        has_target = row_mask & (targets >= 0) & (targets < vocab_size)
+        target_grad = tl.load(target_grad_ptr + offs_r, mask=has_target, other=0.0)
+        w_ptrs = (weight_ptr + tl.where(has_target, targets, 0).to(tl.int64)[:, None] * stride_wv
+                  + offs_c[None, :] * stride_wk)
+        w_t = tl.load(w_ptrs, mask=has_target[:, None] & (offs_c < n_cols)[None, :], other=0.0)
+        value += target_grad[:, None] * w_t.to(tl.float32)
     tl.store(dst_ptr + dst_rows[:, None] * stride_dst + offs_c[None, :], value.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _target_rows_kernel(
+    acc_ptr,  # [V, H] grad_weight's sum (any float dtype, unit column stride), updated in place
+    sorted_targets_ptr,  # [n_rows] int64: the rows' targets sorted (stably), V where a row has none
+    segment_end_ptr,  # [n_rows] int64: one past the last sorted position with the same target
+    perm_ptr,  # [n_rows] int64: the row of each sorted position
+    target_grad_ptr,  # [n_rows] fp32 c of each row
+    hidden_ptr,  # [*, H]
+    hidden_rows_ptr,  # [n_rows] int64: row i's row of hidden (HAS_ROWS; else i)
+    n_rows,
+    vocab_size,
+    hidden_size,
+    stride_acc,
+    stride_hn,
+    stride_hk,
+    HAS_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """grad_weight's target terms: acc[t] += sum over the rows i with target t of c_i h_i, for
+    columns BLOCK_H x program_id(1). The first sorted position of each target sums its rows in
+    fp32, in the sorted order (deterministic), and the sum meets acc's entry in one rounding."""
+    pos = tl.program_id(0)
+    target = tl.load(sorted_targets_ptr + pos)
+    previous = tl.load(sorted_targets_ptr + pos - 1, mask=pos > 0, other=-1)
+    if (target != previous) & (target >= 0) & (target < vocab_size):
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs_h < hidden_size
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for q in range(pos, tl.load(segment_end_ptr + pos)):
+            row = tl.load(perm_ptr + q)
+            target_grad = tl.load(target_grad_ptr + row)
+            if HAS_ROWS:
+                row = tl.load(hidden_rows_ptr + row)
+            h = tl.load(hidden_ptr + row * stride_hn + offs_h * stride_hk, mask=mask, other=0.0)
+            total += target_grad * h.to(tl.float32)
+        acc_ptrs = acc_ptr + target * stride_acc + offs_h
+        acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(acc_ptrs, (acc + total).to(acc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

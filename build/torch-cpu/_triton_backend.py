@@ -458,7 +458,7 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     stores exponentials to ``buffer`` [rows, V], and one pass over the rows that does what
     ``row_stats``' merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with
     ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. Returns
-    (stats, r [rows] fp32)."""
+    (stats, r, c): r and c [rows] fp32, G = diag(r) E' + diag(c) T (see ``_kernels``)."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
@@ -467,11 +467,12 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
                                                           loss_grad, None, target_logit, return_metrics)
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
     row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
+    target_grad = torch.empty_like(row_factor)
     block_r = 8  # more programs for the hidden rows' scaling, a pass bound by memory
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets, loss_grad, buffer,
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        out.lse, out.loss, _or_dummy(out.correct, device), _or_dummy(out.entropy, device), row_factor,
+        out.lse, out.loss, _or_dummy(out.correct, device), _or_dummy(out.entropy, device), row_factor, target_grad,
         hidden, _or_dummy(scaled_hidden, device),
         n_rows, vocab_size, hidden_size, num_tiles, buffer.stride(0), hidden.stride(0), hidden.stride(1),
         opts.ignore_index, float(opts.logit_scale),
@@ -482,7 +483,7 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
         BLOCK_V=block_v,
         BLOCK_H=32 if interpreting() else 256,
     )
-    return stats, row_factor
+    return stats, row_factor, target_grad
 
 
 def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,
@@ -636,33 +637,64 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     return out, target_logit
 
 
-def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None):
+def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None,
+               target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """dst[dst_rows] = factor[:, None] * src (rounded once to dst's dtype); dst_rows: int64
     [rows] indices into dst, or None for dst's first rows. src [rows, C] any strides, dst [*, C]
-    with unit column stride."""
+    with unit column stride. With ``target_terms`` (c [rows] fp32, targets [rows], weight [V, C],
+    any strides)
+    also + c[:, None] * weight[targets] (rows whose target is out of range add nothing)."""
     n_rows, n_cols = src.shape
     block_r, block_c = (16, 32) if interpreting() else (16, 256)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    dummy = _dummy(src.device)
+    target_grad, targets, weight = target_terms if target_terms is not None else (dummy, dummy, dummy)
     K._scale_rows_kernel[grid](
-        src, factor, dst, dst_rows if dst_rows is not None else _dummy(src.device),
-        n_rows, n_cols, src.stride(0), src.stride(1), dst.stride(0),
-        HAS_DST_ROWS=dst_rows is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        src, factor, dst, dst_rows if dst_rows is not None else dummy, target_grad, targets, weight,
+        n_rows, n_cols, weight.shape[0] if target_terms is not None else 0,
+        src.stride(0), src.stride(1), dst.stride(0), *(weight.stride() if target_terms is not None else (0, 0)),
+        HAS_DST_ROWS=dst_rows is not None, TARGET_TERMS=target_terms is not None, BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return dst
 
 
-def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: LossOptions) -> torch.Tensor:
+def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch.Tensor, hidden: torch.Tensor,
+                    hidden_rows: torch.Tensor | None = None) -> None:
+    """grad_weight's target terms, in place: acc[t] += sum over the rows i with targets[i] == t
+    of target_grad[i] * hidden[hidden_rows[i]] (hidden[i] without ``hidden_rows``), each sum in
+    fp32 in a fixed order and added to acc's entry in one rounding. acc [V, H] (unit column
+    stride), target_grad [rows] fp32, targets [rows] int (out of range: no term)."""
+    n_rows = targets.shape[0]
+    vocab_size, hidden_size = acc.shape
+    if n_rows == 0:
+        return
+    key = torch.where((targets >= 0) & (targets < vocab_size), targets, vocab_size).to(torch.int64)
+    sorted_targets, perm = torch.sort(key, stable=True)
+    segment_end = torch.searchsorted(sorted_targets, sorted_targets, right=True)
+    block_h = 32 if interpreting() else 1024
+    K._target_rows_kernel[(n_rows, triton.cdiv(hidden_size, block_h))](
+        acc, sorted_targets, segment_end, perm, target_grad, hidden,
+        hidden_rows if hidden_rows is not None else _dummy(acc.device),
+        n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
+        HAS_ROWS=hidden_rows is not None, BLOCK_H=block_h,
+    )
+
+
+def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets,
+                opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
     """Turns the exponentials stored by ``row_stats(row_ref=...)`` into E' in place and returns
-    r [rows] fp32 such that the chunk's grad logits are diag(r) E' (see ``_kernels``)."""
+    (r, c) [rows] fp32 such that the chunk's grad logits are diag(r) E' + diag(c) T (see
+    ``_kernels``)."""
     n_rows, vocab_size = buffer.shape
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
+    target_grad = torch.empty_like(row_factor)
     block_r = 16 if interpreting() else 64
     K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
-        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, row_factor,
+        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, row_factor, target_grad,
         n_rows, vocab_size, buffer.stride(0), float(opts.logit_scale),
         BLOCK_R=block_r, BLOCK_V=state.block_v, num_warps=4,
     )
-    return row_factor
+    return row_factor, target_grad
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,

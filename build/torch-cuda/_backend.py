@@ -72,7 +72,7 @@ class Backend(Protocol):
 @runtime_checkable
 class FactoredBackend(Backend, Protocol):
     """A backend whose training chunks can keep exponentials and factor their gradient as
-    diag(r) E' (see ``_kernels``); called only where ``factored_gradient`` says so."""
+    diag(r) E' + diag(c) T (see ``_kernels``); called only where ``factored_gradient`` says so."""
 
     def row_reference(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       opts: LossOptions, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,19 +85,27 @@ class FactoredBackend(Backend, Protocol):
 
     def row_factors(self, buffer: torch.Tensor, state: Any, row_max: torch.Tensor, row_ref: torch.Tensor,
                     lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,
-                    opts: LossOptions) -> torch.Tensor:
-        """Makes the stored exponentials E' in place; returns r [rows] fp32 with G = diag(r) E'."""
+                    opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Makes the stored exponentials E' in place (0 at each row's target); returns (r, c)
+        [rows] fp32 with G = diag(r) E' + diag(c) T, c the gradient's target entry."""
 
     def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
                        buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
                        scaled_hidden: torch.Tensor | None = None, return_metrics: bool = False,
-                       reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[RowStats, torch.Tensor]:
+                       reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> tuple[RowStats, torch.Tensor, torch.Tensor]:
         """A whole factored chunk when ``weight`` is the whole vocabulary (no merge across
         shards): ``row_reference`` (unless given as ``reference``), ``row_stats`` into
         ``buffer``, ``finalize`` into ``out`` and ``row_factors`` in one, and with
-        ``scaled_hidden`` [rows, H] also diag(r) hidden written there. Returns (stats, r [rows]
-        fp32)."""
+        ``scaled_hidden`` [rows, H] also diag(r) hidden written there. Returns (stats, r, c)."""
 
     def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
-                   dst_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """dst[dst_rows] = factor[:, None] * src, rounded once to dst's dtype; returns dst."""
+                   dst_rows: torch.Tensor | None = None,
+                   target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """dst[dst_rows] = factor[:, None] * src, with ``target_terms`` (c, targets, weight) also
+        + c[:, None] * weight[targets], rounded once to dst's dtype; returns dst."""
+
+    def add_target_rows(self, acc: torch.Tensor, target_grad: torch.Tensor, targets: torch.Tensor,
+                        hidden: torch.Tensor, hidden_rows: torch.Tensor | None = None) -> None:
+        """acc[t] += sum of target_grad[i] * hidden[hidden_rows[i]] over the rows i with
+        targets[i] == t, in fp32 and one rounding into acc (grad_weight's target terms)."""

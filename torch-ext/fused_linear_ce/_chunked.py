@@ -11,8 +11,9 @@ Training (reduction "mean"/"sum", gradients wanted): the same sweep also keeps t
 logits in a buffer of rows x V (never N x V), and two matrix products finish the chunk once
 its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chunk]. The
 whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
-buffer keeps exponentials and G = diag(r) E' is never formed: the row factors r go on the
-products' small side (see ``_kernels``); on an unsharded weight ``factored_chunk`` does the
+buffer keeps exponentials and G = diag(r) E' + diag(c) T is never formed: the row factors r go
+on the products' small side and the target entries c stay out of the products, added in fp32
+(see ``_kernels``); on an unsharded weight ``factored_chunk`` does the
 chunk's sweep, finalize and row factors in one call. Otherwise it keeps logits relative to
 their tile max, turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
 the backward scales them by the real grad_output.
@@ -182,6 +183,10 @@ class _Gradients:
     def __init__(self, hidden, vocab_size, grads, chunk, n_chunks, row_order, shard):
         want_h, want_w, want_b = grads
         self.row_order, self.shard = row_order, shard
+        self.hidden = hidden
+        # The factored gradient's target entries c and targets of the computed rows (in the
+        # order's order), added to grad_weight at its one last rounding (``finish``).
+        self.target_grads, self.targets = [], []
         self.pending = []  # grad_hidden all-reduces in flight: (work, block, rows it goes to or None)
         self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
         self.grad_weight = _new_weight_grad(vocab_size, hidden.shape[1], hidden, chunk, n_chunks) if want_w else None
@@ -194,22 +199,27 @@ class _Gradients:
         self.group_size = max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if hidden.element_size() < 4 else None
         self.weight_sum = None
 
-    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None):
+    def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, target_terms=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
-        ``row_factor`` r [rows] the factored G = diag(r) E' (E' in ``grad_logits``), whose row
-        factors ``backend.scale_rows`` applies on the products' small side."""
-        self.add_hidden_grad(start, end, grad_logits, weight, row_factor, backend)
+        ``row_factor`` r [rows] and ``target_terms`` (c, targets) [rows] the factored
+        G = diag(r) E' + diag(c) T (E' in ``grad_logits``), whose row factors
+        ``backend.scale_rows`` applies on the products' small side."""
+        self.add_hidden_grad(start, end, grad_logits, weight, row_factor, backend, target_terms)
         if self.grad_weight is not None:
-            # G^T H = E'^T (diag(r) H): the row factors ride on the chunk's hidden rows.
+            # G^T H = E'^T (diag(r) H) + T^T diag(c) H: the row factors ride on the chunk's
+            # hidden rows, the target terms wait for ``finish``.
             rhs = hidden_c
             if row_factor is not None:
                 rhs = torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                 backend.scale_rows(hidden_c, row_factor, rhs)
             self.add_weight_grad(grad_logits, rhs)
 
-    def add_hidden_grad(self, start, end, grad_logits, weight, row_factor=None, backend=None):
+    def add_hidden_grad(self, start, end, grad_logits, weight, row_factor=None, backend=None, target_terms=None):
         """grad_hidden of the chunk [start, end) of the computed rows (see ``add``)."""
         self.computed = end
+        if target_terms is not None:
+            self.target_grads.append(target_terms[0])
+            self.targets.append(target_terms[1])
         if self.grad_hidden is None:
             return
         in_place = self.row_order is None or end <= self.row_order.in_place
@@ -219,8 +229,9 @@ class _Gradients:
         if block is None and self.shard is not None:
             block = self.grad_hidden.new_empty((end - start, self.grad_hidden.shape[1]))
         if row_factor is not None:
+            terms = None if target_terms is None else (*target_terms, weight)
             backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
-                               self.grad_hidden if block is None else block, None if block is not None else rows)
+                               self.grad_hidden if block is None else block, None if block is not None else rows, terms)
         elif block is not None:
             torch.mm(grad_logits.to(weight.dtype), weight, out=block)
         else:
@@ -254,9 +265,10 @@ class _Gradients:
             self.grad_weight.addmm_(lhs, rhs)
         self.group_chunks += 1
 
-    def finish(self, dtype, bias):
+    def finish(self, dtype, bias, backend=None):
         """(grad_hidden, grad_weight, grad_bias) in the inputs' dtype, all-reduces done; rows
-        never computed get an exactly zero grad_hidden."""
+        never computed get an exactly zero grad_hidden; the factored chunks' target terms go
+        into grad_weight's fp32 sum (or its last rounding) through ``backend``."""
         for work, block, rows in self.pending:
             work.wait()
             if rows is not None:
@@ -264,6 +276,12 @@ class _Gradients:
         if self.grad_hidden is not None and self.row_order is not None and self.computed < self.row_order.n_rows:
             self.grad_hidden.index_fill_(0, self.row_order.order[self.computed:], 0)
         grad_weight = self.grad_weight
+        if grad_weight is not None and self.target_grads:
+            rows = None if self.row_order is None or self.computed <= self.row_order.in_place \
+                else self.row_order.order[:self.computed]
+            backend.add_target_rows(grad_weight if self.weight_sum is None else self.weight_sum,
+                                    torch.cat(self.target_grads), torch.cat(self.targets), self.hidden, rows)
+        self.target_grads = self.targets = []
         if self.weight_sum is not None:  # one rounding of the fp32 sum of the groups and the last one
             grad_weight = torch.add(self.weight_sum, grad_weight, out=grad_weight)
             self.weight_sum = None
@@ -451,9 +469,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                              if gradients.grad_weight is not None else None)
             reference = None if references is None else tuple(t[start:end] for t in references)
-            stats, row_factor = backend.factored_chunk(hidden_c, weight, targets_c, opts, stored, loss_grad_c, out,
-                                                       scaled_hidden, return_metrics=return_metrics,
-                                                       reference=reference)
+            stats, row_factor, target_grad = backend.factored_chunk(
+                hidden_c, weight, targets_c, opts, stored, loss_grad_c, out, scaled_hidden,
+                return_metrics=return_metrics, reference=reference)
             finish(stats, start, end, out)
             # What the products need of the chunk's hidden rows is in scaled_hidden now, and
             # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
@@ -463,7 +481,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             if scaled_hidden is not None:
                 gradients.add_weight_grad(stored, scaled_hidden)
                 scaled_hidden = None
-            gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend)
+            gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, (target_grad, targets_c))
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
         row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)
@@ -478,16 +496,16 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             stats = shard.merge(stats)
         out = finish(stats, start, end)  # finalize
         if factored:  # gradient
-            row_factor = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c, targets_c,
-                                             opts)
-            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend)
+            row_factor, target_grad = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c,
+                                                          targets_c, opts)
+            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, (target_grad, targets_c))
         elif training:
             grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
                                                    gradients.bias_acc)
             gradients.add(start, end, hidden_c, grad_logits, weight)
     if merge_once and chunk_stats:
         finish(shard.merge(_concat_stats(chunk_stats)), 0, computed)
-    return _forward_result(results, gradients.finish(hidden.dtype, bias), targets, opts, reduction, row_order,
+    return _forward_result(results, gradients.finish(hidden.dtype, bias, backend), targets, opts, reduction, row_order,
                            row_weight, return_metrics, f32)
 
 
