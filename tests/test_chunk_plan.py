@@ -156,3 +156,20 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
     assert block(torch.float32) == 128
     monkeypatch.setenv("FLCE_TILE_TARGET", "0")
     assert block() == 128
+
+
+def test_rare_target_rows_mark_the_targets_of_few_rows(flce, monkeypatch):
+    """A row's target entry leaves the bf16 products where its column is the target of at most
+    FLCE_RARE_TARGET (2) of the step's rows: counted over the rows with a target in this weight's
+    columns (ignored ones and other ranks' columns count for nothing, and are never marked)."""
+    chunked = submodule(flce, "_chunked")
+    monkeypatch.delenv("FLCE_RARE_TARGET", raising=False)
+    targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2])  # V = 8: 9 is another rank's
+    counts = {3: 3, 1: 2, 4: 1, 0: 1, 2: 4}
+    expected = [int(t in counts and counts[t] <= 2) for t in targets.tolist()]
+    assert chunked._rare_target_rows(targets, 8).tolist() == expected
+    monkeypatch.setenv("FLCE_RARE_TARGET", "3")
+    assert chunked._rare_target_rows(targets, 8).tolist() == [int(t in counts and counts[t] <= 3)
+                                                              for t in targets.tolist()]
+    monkeypatch.setenv("FLCE_RARE_TARGET", "0")
+    assert chunked._rare_target_rows(targets, 8).tolist() == [0] * len(targets)

@@ -533,13 +533,16 @@ def test_training_loss_is_the_forwards(flce, monkeypatch):
     assert_rel(training_loss, ref.loss, 1e-3 if DEVICE == "cuda" else tolerance(torch.float32, "loss"), "loss")
 
 
-def test_row_factors_take_the_target_entry_out_of_the_buffer(flce):
-    """row_factors on a bf16 buffer of exponentials exp(z - B), B each row's target logit: the
-    target entries become 0 and G = diag(r) E' + diag(c) T is s g (p - onehot), with c (the
-    target entry) s g (p_t - 1) to fp32 and r E' each other entry's exponential times
-    r = s g exp(B - lse) to fp32, within that entry's bf16 rounding. Built by hand, no product:
-    bf16 runs under the interpreter. Row 5 has no gradient (r = c = 0); row 9's target is in
-    another rank's slice (no target entry here: c = 0, r unchanged)."""
+def test_row_factors_keep_or_take_out_each_target_entry(flce):
+    """row_factors on a bf16 buffer of exponentials exp(z - B), B each row's target logit, with
+    the even rows' target entries taken out of the products: G = diag(r) E' + diag(c) T is
+    s g (p - onehot) either way. Taken out, the buffer holds 0 at the target and c = s g (p_t - 1)
+    to fp32; kept, c = 0 and r E'_it = s g (p_t - 1) to fp32 (r takes the target entry's bf16
+    rounding, so that a small p_t's 1 - 1/p_t, far from 16 bits' grid, costs nothing). Every
+    other entry carries its exponential's rounding times one factor per row, within a rounding
+    of 1 (the share of the kept target's rounding). Built by hand, no product: bf16 runs under
+    the interpreter. Row 5 has no gradient (r = c = 0); row 9's target is in another rank's
+    slice (no target entry here: c = 0, r = s g exp(B - lse) unchanged)."""
     backend, options = submodule(flce, "_triton_backend"), submodule(flce, "_options")
     gen = torch.Generator().manual_seed(41)
     rows, vocab, block_v, logit_scale = 16, 256, 64, 0.5
@@ -548,6 +551,7 @@ def test_row_factors_take_the_target_entry_out_of_the_buffer(flce):
     targets[9] = vocab + 3
     loss_grad = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
     loss_grad[5] = 0.0
+    take_out = (torch.arange(rows) % 2 == 0).to(torch.int8)
     local = targets < vocab
     columns = torch.where(local, targets, 0)
     row_ref = logits.gather(1, columns[:, None])[:, 0]
@@ -555,32 +559,38 @@ def test_row_factors_take_the_target_entry_out_of_the_buffer(flce):
     assert bool((logits.amax(1) < row_ref + 40.0).all())  # no row moves to its max: B stays the reference
     exponentials = torch.exp(logits - row_ref[:, None])
     buffer = exponentials.to(device=DEVICE, dtype=torch.bfloat16)
-    stored = buffer.cpu().double()
+    stored_rounding = buffer.cpu().double() / exponentials  # each entry's bf16 rounding, 1 +- 2^-8
     f32 = dict(device=DEVICE, dtype=torch.float32)
     state = type("State", (), dict(tile_max=logits.view(rows, -1, block_v).amax(2).to(**f32), block_v=block_v))()
     opts = options.LossOptions(logit_scale=logit_scale)
     row_factor, target_grad = backend.row_factors(buffer, state, logits.amax(1).to(**f32), row_ref.to(**f32),
-                                                  lse.to(**f32), loss_grad.to(**f32), targets.to(DEVICE), opts)
-    after = buffer.cpu().double()
+                                                  lse.to(**f32), loss_grad.to(**f32), targets.to(DEVICE), opts,
+                                                  take_out.to(DEVICE))
     onehot = (torch.nn.functional.one_hot(columns, vocab) * local[:, None]).bool()
-    with_grad = (loss_grad != 0)[:, None]
-    assert bool((after[onehot & with_grad] == 0).all())  # the target entries left the buffer
-    assert torch.equal(after[~onehot], stored[~onehot])  # and nothing else moved
-    expected_r = torch.where(loss_grad != 0, logit_scale * loss_grad * torch.exp(row_ref - lse), 0.0)
-    torch.testing.assert_close(row_factor.cpu().double(), expected_r, rtol=2e-6, atol=0.0)
-    # c: fp32's exp(B - lse) - 1 and its products (a few ulps of 1, relative to |p_t - 1| >= 0.9)
-    probs = torch.softmax(logits, dim=1)
-    p_target = probs.gather(1, columns[:, None])[:, 0]
-    expected_c = torch.where(local & (loss_grad != 0), logit_scale * loss_grad * (p_target - 1.0), 0.0)
-    torch.testing.assert_close(target_grad.cpu().double(), expected_c, rtol=2e-6, atol=0.0)
-    # r E' off the target: s g p within the entry's bf16 rounding (2^-8 to nearest on a GPU; the
-    # interpreter's conversion truncates, 2^-7) and fp32's of r (1e-6)
-    grad = row_factor.cpu().double()[:, None] * after
-    expected = logit_scale * loss_grad[:, None] * probs
-    others = ~onehot & with_grad
-    bound = (2.0 ** -8 if DEVICE == "cuda" else 2.0 ** -7) + 1e-6
-    assert float(((grad[others] - expected[others]) / expected[others]).abs().max()) <= bound
+    at_target = local & (loss_grad != 0)
+    out, kept = at_target & take_out.bool(), at_target & ~take_out.bool()
+    assert int(out.sum()) >= 4 and int(kept.sum()) >= 4
+    grad = row_factor.cpu().double()[:, None] * buffer.cpu().double()
+    grad[onehot] += target_grad.cpu().double()[onehot.any(1)]
+    expected = logit_scale * loss_grad[:, None] * (torch.softmax(logits, dim=1) - onehot.double())
     assert torch.equal(grad[5], torch.zeros(vocab, dtype=torch.float64))
+    assert bool((buffer.cpu()[out].gather(1, columns[out][:, None]) == 0).all())
+    assert bool((target_grad.cpu()[~out] == 0).all())
+    # The target entries (in c, or in r E'_it): fp32's rounding of lse and exp(lse - B) (a few
+    # ulps), and of r or c.
+    torch.testing.assert_close(grad[at_target].gather(1, columns[at_target][:, None]),
+                               expected[at_target].gather(1, columns[at_target][:, None]), rtol=2e-6, atol=0.0)
+    # The others: grad / (expected * rounding) is one factor per row to fp32 (1e-6), the share of
+    # the kept target's rounding: 1 within bf16's relative rounding, 2^-8 to nearest on a GPU; the
+    # interpreter's conversion truncates, 2^-7. Rows without a target entry in the products (row
+    # 9, and those taken out) keep r (1e-6).
+    share = torch.where(onehot, float("nan"), grad / (expected * stored_rounding))
+    row_share = share.nanmean(1, keepdim=True)
+    others = ~onehot & (loss_grad != 0)[:, None]
+    torch.testing.assert_close(share[others], row_share.expand(-1, vocab)[others], rtol=1e-6, atol=0.0)
+    bound = 2.0 ** -8 if DEVICE == "cuda" else 2.0 ** -7
+    assert float((row_share[loss_grad != 0] - 1).abs().max()) <= bound
+    assert float((row_share[out | ~local] - 1).abs().max()) <= 1e-6
 
 
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])

@@ -452,12 +452,13 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
 
 
 def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad, out: RowResults,
-                   scaled_hidden=None, return_metrics=False, reference=None):
+                   scaled_hidden=None, return_metrics=False, reference=None, take_out=None):
     """A factored training chunk of rows whose weight is the whole vocabulary, in three launches:
     ``row_reference`` (unless ``reference`` brings its (B, target_logit) already), the sweep that
     stores exponentials to ``buffer`` [rows, V], and one pass over the rows that does what
     ``row_stats``' merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with
-    ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. Returns
+    ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. ``take_out``
+    [rows] int8 (None: none) marks the rows whose target entry leaves the products. Returns
     (stats, r, c): r and c [rows] fp32, G = diag(r) E' + diag(c) T (see ``_kernels``)."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -470,7 +471,8 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     target_grad = torch.empty_like(row_factor)
     block_r = 8  # more programs for the hidden rows' scaling, a pass bound by memory
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets, loss_grad, buffer,
+        tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets,
+        _take_out(take_out, n_rows, device), loss_grad, buffer,
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
         out.lse, out.loss, _or_dummy(out.correct, device), _or_dummy(out.entropy, device), row_factor, target_grad,
         hidden, _or_dummy(scaled_hidden, device),
@@ -663,12 +665,12 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     """grad_weight's target terms, in place: acc[t] += sum over the rows i with targets[i] == t
     of target_grad[i] * hidden[hidden_rows[i]] (hidden[i] without ``hidden_rows``), each sum in
     fp32 in a fixed order and added to acc's entry in one rounding. acc [V, H] (unit column
-    stride), target_grad [rows] fp32, targets [rows] int (out of range: no term)."""
+    stride), target_grad [rows] fp32 (0: no term), targets [rows] int (out of range: no term)."""
     n_rows = targets.shape[0]
     vocab_size, hidden_size = acc.shape
     if n_rows == 0:
         return
-    key = torch.where((targets >= 0) & (targets < vocab_size), targets, vocab_size).to(torch.int64)
+    key = torch.where((targets >= 0) & (targets < vocab_size) & (target_grad != 0), targets, vocab_size).to(torch.int64)
     sorted_targets, perm = torch.sort(key, stable=True)
     segment_end = torch.searchsorted(sorted_targets, sorted_targets, right=True)
     block_h = 32 if interpreting() else 1024
@@ -680,17 +682,24 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     )
 
 
-def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets,
-                opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def _take_out(take_out: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor:
+    """The rows' take_out flags [rows] int8, zeros (every target entry in the products) for None."""
+    return take_out if take_out is not None else torch.zeros(n_rows, device=device, dtype=torch.int8)
+
+
+def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: LossOptions,
+                take_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Turns the exponentials stored by ``row_stats(row_ref=...)`` into E' in place and returns
     (r, c) [rows] fp32 such that the chunk's grad logits are diag(r) E' + diag(c) T (see
-    ``_kernels``)."""
+    ``_kernels``); ``take_out`` [rows] int8 (None: none) marks the rows whose target entry
+    leaves the products."""
     n_rows, vocab_size = buffer.shape
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
     block_r = 16 if interpreting() else 64
     K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
-        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, row_factor, target_grad,
+        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, _take_out(take_out, n_rows, buffer.device),
+        row_factor, target_grad,
         n_rows, vocab_size, buffer.stride(0), float(opts.logit_scale),
         BLOCK_R=block_r, BLOCK_V=state.block_v, num_warps=4,
     )

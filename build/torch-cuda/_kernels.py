@@ -37,20 +37,24 @@ taken relative to it.
 Factored gradients (MODE_STATS_AND_EXP). Given a reference R_i per row, the tile sweep can
 store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without bias, softcap, smoothing or
 z-loss the gradient is then G = diag(r) E' + diag(c) T with r_i = s g_i exp(R_i - lse_i)
-(g_i = d out / d loss_i), E' = E with each row's target entry set to 0, T the one-hot targets
-and c_i = s g_i (p_it - 1) the gradient's target entry, so that
+(g_i = d out / d loss_i), T the one-hot targets, and either E' = E minus exp(lse_i - R_i) at
+the row's target and c_i = 0 (the target entry inside the products), or E' = E with 0 at the
+target and c_i = s g_i (p_it - 1) (the target entry outside them), so that
 
     grad_hidden = diag(r) (E' @ W) + diag(c) W[t]
     grad_weight += E'^T @ (diag(r) H),  then grad_weight[t_i] += c_i h_i (once, at the end)
 
-and no pass over the chunk's buffer is needed once lse is known. The target entry, a row's
-largest term where its softmax is spread, so stays out of the 16-bit products and of the
-rounding of grad_weight's running sum: it is added in fp32, with h_i exact, at the sum's one
-last rounding (as PyTorch's G_it = p_t - 1 meets h_i in one product). R_i starts as a cheap
-lower bound of the row max (the target's logit, B_i); a tile whose max passes B_i by more than
-REFERENCE_GAP keeps its own max as reference instead (exp(z - B_i) could overflow 16 bits
-there), and ``_row_factors_kernel`` later moves such rare rows to their true max. Entries
-below exp(-87) of their reference flush to zero, as exp does in fp32.
+and no pass over the chunk's buffer is needed once lse is known. Which way a row goes is a
+matter of rounding, decided per target column by how many of the step's rows have that
+target (``take_out``, see ``_chunked``): a rare target's entry is its column's largest term,
+and kept out of grad_weight's 16-bit running sum it meets that sum once, in fp32, at its last
+rounding (as PyTorch's G_it = p_t - 1 meets h_i in one product); a frequent target's entries
+nearly cancel its column's other terms, so they stay in each chunk's product, where the sum
+stays as small as the gradient. R_i starts as a cheap lower bound of the row max (the
+target's logit, B_i); a tile whose max passes B_i by more than REFERENCE_GAP keeps its own
+max as reference instead (exp(z - B_i) could overflow 16 bits there), and
+``_row_factors_kernel`` later moves such rare rows to their true max. Entries below exp(-87)
+of their reference flush to zero, as exp does in fp32.
 """
 
 import triton
@@ -645,7 +649,7 @@ def _grad_from_shifted_kernel(
 
 @triton.jit
 def _factor_rows(
-    buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r, row_mask,
+    buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out, offs_r, row_mask,
     vocab_size, stride_buf_n, logit_scale,
     BLOCK_V: tl.constexpr,
 ):
@@ -654,9 +658,11 @@ def _factor_rows(
 
     A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
     than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
-    Then r = s g exp(R - lse), the target's entry of the buffer becomes 0, and c = s g (p_t - 1)
-    with p_t = exp(B - lse) (B is the target's logit wherever the target is in this weight's
-    columns; c = 0 elsewhere). BLOCK_V must be the logit kernel's tile width.
+    Then r = s g exp(R - lse). A row with ``take_out`` stores 0 at its target and gets
+    c = s g (p_t - 1), p_t = exp(B - lse) (B is the target's logit wherever the target is in this
+    weight's columns); any other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
+    takes that entry's 16-bit rounding, so that r E'_it = s g (p_t - 1) exactly. BLOCK_V must be
+    the logit kernel's tile width.
     """
     offs_r64 = offs_r.to(tl.int64)
     moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
@@ -674,13 +680,24 @@ def _factor_rows(
             ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
             values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # the target entries below are zeroed after their rescaled store
+        tl.debug_barrier()  # the target entries below are read after their rescaled store
 
     at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
-    tl.store(buffer_ptr + offs_r64 * stride_buf_n + targets, tl.zeros_like(lse).to(buffer_ptr.dtype.element_ty),
-             mask=at_target)
-    target_grad = tl.where(at_target, logit_scale * loss_grad * (tl.exp(row_ref - lse) - 1.0), 0.0)
-    return factor, target_grad
+    out_of_products = at_target & take_out
+    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
+    value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
+    value = tl.where(out_of_products, 0.0, value - tl.exp(lse - reference))
+    stored = value.to(buffer_ptr.dtype.element_ty)
+    tl.store(target_ptrs, stored, mask=at_target)
+    target_grad = tl.where(out_of_products, logit_scale * loss_grad * (tl.exp(row_ref - lse) - 1.0), 0.0)
+    # E'_it is about 1 - 1/p_t, far from 16 bits' grid when p_t is small, where PyTorch's p_t - 1
+    # lies next to -1 and rounds almost exactly. Scaling r by value / stored makes r E'_it exact
+    # and moves the rounding, a relative 2^-8 at most, onto the row's other entries, whose sum
+    # (1 - p_t) is the target's and whose sum of squares is at most its square: no larger in
+    # either gradient, and much smaller where the row's mass is spread.
+    stored = stored.to(tl.float32)
+    exact = at_target & (stored != 0.0) & (tl.abs(stored) < float("inf"))  # no 0, inf or NaN
+    return tl.where(exact, factor * (value / tl.where(exact, stored, 1.0)), factor), target_grad
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -693,8 +710,9 @@ def _row_factors_kernel(
     lse_ptr,  # [n_rows] fp32
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
     targets_ptr,  # [n_rows] int, columns of this weight (out of range: no target here)
+    take_out_ptr,  # [n_rows] int8: 1 where the target entry leaves the products (``_factor_rows``)
     row_factor_ptr,  # [n_rows] fp32 out: r
-    target_grad_ptr,  # [n_rows] fp32 out: c, the gradient's target entry (0 without one here)
+    target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
     # sizes and strides
     n_rows,
     vocab_size,
@@ -714,8 +732,9 @@ def _row_factors_kernel(
     lse = tl.load(lse_ptr + offs_r, mask=row_mask, other=0.0)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
-    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r,
-                                       row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0) != 0
+    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
+                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
 
@@ -730,6 +749,7 @@ def _factored_rows_kernel(
     row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``row_reference``)
     target_logit_ptr,  # [n_rows] fp32
     targets_ptr,  # [n_rows] int
+    take_out_ptr,  # [n_rows] int8: 1 where the target entry leaves the products (``_factor_rows``)
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
     buffer_ptr,  # [n_rows, V] in: mode 3's exponentials, out: E'
     row_max_ptr,  # [n_rows] fp32 out
@@ -741,7 +761,7 @@ def _factored_rows_kernel(
     correct_ptr,  # [n_rows] int32 out                  (RETURN_METRICS)
     entropy_ptr,  # [n_rows] fp32 out                   (RETURN_METRICS)
     row_factor_ptr,  # [n_rows] fp32 out: r
-    target_grad_ptr,  # [n_rows] fp32 out: c, the gradient's target entry
+    target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
     hidden_ptr,  # [n_rows, H] the chunk's hidden rows  (SCALE_HIDDEN)
     scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous (SCALE_HIDDEN)
     # sizes, strides and scalars
@@ -788,8 +808,9 @@ def _factored_rows_kernel(
     _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
                    RETURN_METRICS=RETURN_METRICS)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
-    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, offs_r,
-                                       row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0) != 0
+    factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
+                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
     if SCALE_HIDDEN:

@@ -85,19 +85,21 @@ class FactoredBackend(Backend, Protocol):
 
     def row_factors(self, buffer: torch.Tensor, state: Any, row_max: torch.Tensor, row_ref: torch.Tensor,
                     lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,
-                    opts: LossOptions) -> tuple[torch.Tensor, torch.Tensor]:
-        """Makes the stored exponentials E' in place (0 at each row's target); returns (r, c)
-        [rows] fp32 with G = diag(r) E' + diag(c) T, c the gradient's target entry."""
+                    opts: LossOptions, take_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Makes the stored exponentials E' in place; returns (r, c) [rows] fp32 with
+        G = diag(r) E' + diag(c) T: c is the target entry of the rows marked in ``take_out``
+        [rows] int8 (0 in E' there), 0 elsewhere (None: no row marked)."""
 
     def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
                        buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
                        scaled_hidden: torch.Tensor | None = None, return_metrics: bool = False,
                        reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       ) -> tuple[RowStats, torch.Tensor, torch.Tensor]:
+                       take_out: torch.Tensor | None = None) -> tuple[RowStats, torch.Tensor, torch.Tensor]:
         """A whole factored chunk when ``weight`` is the whole vocabulary (no merge across
         shards): ``row_reference`` (unless given as ``reference``), ``row_stats`` into
         ``buffer``, ``finalize`` into ``out`` and ``row_factors`` in one, and with
-        ``scaled_hidden`` [rows, H] also diag(r) hidden written there. Returns (stats, r, c)."""
+        ``scaled_hidden`` [rows, H] also diag(r) hidden written there; ``take_out`` as in
+        ``row_factors``. Returns (stats, r, c)."""
 
     def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
                    dst_rows: torch.Tensor | None = None,

@@ -12,8 +12,9 @@ logits in a buffer of rows x V (never N x V), and two matrix products finish the
 its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chunk]. The
 whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
 buffer keeps exponentials and G = diag(r) E' + diag(c) T is never formed: the row factors r go
-on the products' small side and the target entries c stay out of the products, added in fp32
-(see ``_kernels``); on an unsharded weight ``factored_chunk`` does the
+on the products' small side, and the target entries of rare targets (``_rare_target_rows``)
+stay out of the products, added in fp32 (see ``_kernels``); on an unsharded weight
+``factored_chunk`` does the
 chunk's sweep, finalize and row factors in one call. Otherwise it keeps logits relative to
 their tile max, turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
 the backward scales them by the real grad_output.
@@ -290,6 +291,19 @@ class _Gradients:
         return self.grad_hidden, grad_weight, grad_bias
 
 
+def _rare_target_rows(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N] int8: 1 on the rows whose target column (of this weight) is the target of at most
+    FLCE_RARE_TARGET (2) of the step's rows. Their target entries leave the bf16 products
+    (``_kernels``, factored gradients): a rare target's entry is its column's largest term, best
+    added to grad_weight once, in fp32, at the end; a frequent target's entries nearly cancel
+    the column's other terms and stay in each chunk's product (perf notes, run 52)."""
+    rare = env_int("FLCE_RARE_TARGET", 2)
+    valid = (targets >= 0) & (targets < vocab_size)
+    columns = torch.where(valid, targets, vocab_size)
+    counts = torch.bincount(columns, minlength=vocab_size + 1)
+    return (valid & (counts[columns] <= rare)).to(torch.int8)
+
+
 def _concat_stats(chunks: list[RowStats]) -> RowStats:
     """The statistics of consecutive chunks of rows as one block."""
     def joined(name):
@@ -431,6 +445,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if training:
         buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
         loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, row_weight, weight_sum, vocab_size)
+    take_out = _rare_target_rows(slice_targets, vocab_size) if factored else None
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.
@@ -471,7 +486,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             reference = None if references is None else tuple(t[start:end] for t in references)
             stats, row_factor, target_grad = backend.factored_chunk(
                 hidden_c, weight, targets_c, opts, stored, loss_grad_c, out, scaled_hidden,
-                return_metrics=return_metrics, reference=reference)
+                return_metrics=return_metrics, reference=reference, take_out=take_out[start:end])
             finish(stats, start, end, out)
             # What the products need of the chunk's hidden rows is in scaled_hidden now, and
             # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
@@ -497,7 +512,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         out = finish(stats, start, end)  # finalize
         if factored:  # gradient
             row_factor, target_grad = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c,
-                                                          targets_c, opts)
+                                                          targets_c, opts, take_out[start:end])
             gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, (target_grad, targets_c))
         elif training:
             grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
