@@ -45,12 +45,13 @@ target and c_i = s g_i (p_it - 1) (the target entry outside them), so that
     grad_weight += E'^T @ (diag(r) H),  then grad_weight[t_i] += c_i h_i (once, at the end)
 
 and no pass over the chunk's buffer is needed once lse is known. Which way a row goes is a
-matter of rounding, decided per target column by how many of the step's rows have that
-target (``take_out``, see ``_chunked``): a rare target's entry is its column's largest term,
-and kept out of grad_weight's 16-bit running sum it meets that sum once, in fp32, at its last
-rounding (as PyTorch's G_it = p_t - 1 meets h_i in one product); a frequent target's entries
-nearly cancel its column's other terms, so they stay in each chunk's product, where the sum
-stays as small as the gradient. R_i starts as a cheap lower bound of the row max (the
+matter of rounding, decided by how many of the step's rows have the same target
+(``take_out``, see ``_chunked``) and by p_t: a rare target's entry, or that of a row that
+gives its target less than RARE_PROBABILITY, is its column's largest term, and kept out of
+grad_weight's 16-bit running sum it meets that sum once, in fp32, at its last rounding (as
+PyTorch's G_it = p_t - 1 meets h_i in one product); a frequent, well predicted target's
+entries nearly cancel its column's other terms, so they stay in each chunk's product, where
+the sum stays as small as the gradient. R_i starts as a cheap lower bound of the row max (the
 target's logit, B_i); a tile whose max passes B_i by more than REFERENCE_GAP keeps its own
 max as reference instead (exp(z - B_i) could overflow 16 bits there), and
 ``_row_factors_kernel`` later moves such rare rows to their true max. Entries below exp(-87)
@@ -74,6 +75,10 @@ NO_INDEX = tl.constexpr(2147483647)
 # reference: e^40 ~ 2e17 keeps every stored exponential, and products of them with the weights,
 # far inside bf16's and fp32's range.
 REFERENCE_GAP = tl.constexpr(40.0)
+
+# Below this probability a row's target entry leaves the bf16 products whatever its column's count
+# (``_factor_rows``): near-uniform rows, whose columns' other terms are too small to cancel it.
+RARE_PROBABILITY = tl.constexpr(2.0**-10)
 
 
 @triton.jit
@@ -658,9 +663,9 @@ def _factor_rows(
 
     A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
     than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
-    Then r = s g exp(R - lse). A row with ``take_out`` stores 0 at its target and gets
-    c = s g (p_t - 1), p_t = exp(B - lse) (B is the target's logit wherever the target is in this
-    weight's columns); any other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
+    Then r = s g exp(R - lse). A row with ``take_out`` or p_t < RARE_PROBABILITY stores 0 at its
+    target and gets c = s g (p_t - 1), p_t = exp(B - lse) (B is the target's logit wherever the
+    target is in this weight's columns); any other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
     takes that entry's 16-bit rounding, so that r E'_it = s g (p_t - 1) exactly. BLOCK_V must be
     the logit kernel's tile width.
     """
@@ -683,13 +688,14 @@ def _factor_rows(
         tl.debug_barrier()  # the target entries below are read after their rescaled store
 
     at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
-    out_of_products = at_target & take_out
+    p_target = tl.exp(row_ref - lse)
+    out_of_products = at_target & (take_out | (p_target < RARE_PROBABILITY))
     target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
     value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
     value = tl.where(out_of_products, 0.0, value - tl.exp(lse - reference))
     stored = value.to(buffer_ptr.dtype.element_ty)
     tl.store(target_ptrs, stored, mask=at_target)
-    target_grad = tl.where(out_of_products, logit_scale * loss_grad * (tl.exp(row_ref - lse) - 1.0), 0.0)
+    target_grad = tl.where(out_of_products, logit_scale * loss_grad * (p_target - 1.0), 0.0)
     # E'_it is about 1 - 1/p_t, far from 16 bits' grid when p_t is small, where PyTorch's p_t - 1
     # lies next to -1 and rounds almost exactly. Scaling r by value / stored makes r E'_it exact
     # and moves the rounding, a relative 2^-8 at most, onto the row's other entries, whose sum

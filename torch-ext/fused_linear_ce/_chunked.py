@@ -294,14 +294,17 @@ class _Gradients:
 def _rare_target_rows(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N] int8: 1 on the rows whose target column (of this weight) is the target of at most
     FLCE_RARE_TARGET (2) of the step's rows. Their target entries leave the bf16 products
-    (``_kernels``, factored gradients): a rare target's entry is its column's largest term, best
-    added to grad_weight once, in fp32, at the end; a frequent target's entries nearly cancel
-    the column's other terms and stay in each chunk's product (perf notes, run 52)."""
+    (``_kernels``, factored gradients; so do those of rows with a small p_t): a rare target's
+    entry is its column's largest term, best added to grad_weight once, in fp32, at the end; a
+    frequent target's entries nearly cancel the column's other terms and stay in each chunk's
+    product (perf notes, run 52). Counted from a sort, with no host sync (bincount reads its
+    size on the host) and so also under CUDA-graph capture."""
     rare = env_int("FLCE_RARE_TARGET", 2)
     valid = (targets >= 0) & (targets < vocab_size)
     columns = torch.where(valid, targets, vocab_size)
-    counts = torch.bincount(columns, minlength=vocab_size + 1)
-    return (valid & (counts[columns] <= rare)).to(torch.int8)
+    ordered = torch.sort(columns).values
+    counts = torch.searchsorted(ordered, columns, right=True) - torch.searchsorted(ordered, columns)
+    return (valid & (counts <= rare)).to(torch.int8)
 
 
 def _concat_stats(chunks: list[RowStats]) -> RowStats:
