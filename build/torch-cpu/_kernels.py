@@ -1014,8 +1014,9 @@ def _scale_rows_kernel(
     value = src.to(tl.float32) * factor[:, None]
     if TARGET_TERMS:
         targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
-        has_target = row_mask & (targets >= 0) & (targets < vocab_size)
-        target_grad = tl.load(target_grad_ptr + offs_r, mask=has_target, other=0.0)
+        target_grad = tl.load(target_grad_ptr + offs_r, mask=row_mask, other=0.0)
+        # only the rows whose target entry left the products (c != 0) read their row of weight
+        has_target = row_mask & (targets >= 0) & (targets < vocab_size) & (target_grad != 0.0)
         w_ptrs = (weight_ptr + tl.where(has_target, targets, 0).to(tl.int64)[:, None] * stride_wv
                   + offs_c[None, :] * stride_wk)
         w_t = tl.load(w_ptrs, mask=has_target[:, None] & (offs_c < n_cols)[None, :], other=0.0)
