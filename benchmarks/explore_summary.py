@@ -12,10 +12,11 @@ KEYS = ("fwd_ms", "step_ms", "loop_ms", "step_extra_mib", "grad_hidden_err", "gr
 def main(paths):
     for path in paths:
         try:
-            records = json.load(open(path))
+            data = json.load(open(path))
         except (OSError, ValueError) as e:
             print(f"{path}: {e}")
             continue
+        records = data["records"] if isinstance(data, dict) else data  # explore.py's file, or its records
         for r in records:
             label = f"{r.get('row', '')} {r.get('variant', r.get('config', r.get('gemm_rows', '')))}"
             if "breakdown" in r:
