@@ -70,7 +70,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
     "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
     "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
-    "_target_rows_kernel": dict(BLOCK_H=1024),
+    "_target_rows_kernel": dict(BLOCK_Q=4, BLOCK_H=1024),
 }
 
 

@@ -158,18 +158,26 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
     assert block() == 128
 
 
-def test_rare_target_rows_mark_the_targets_of_few_rows(flce, monkeypatch):
+def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     """A row's target entry leaves the bf16 products where its column is the target of at most
-    FLCE_RARE_TARGET (2) of the step's rows: counted over the rows with a target in this weight's
-    columns (ignored ones and other ranks' columns count for nothing, and are never marked)."""
-    chunked = submodule(flce, "_chunked")
+    FLCE_RARE_TARGET (2) of the step's rows (OUT_ALWAYS), or may leave them (where its p_t is
+    small: OUT_IF_IMPROBABLE) where it is of at most IMPROBABLE_MAX_COUNT; counted over the rows
+    with a target in this weight's columns (ignored ones and other ranks' columns count for
+    nothing, and are flagged 0)."""
+    chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernels")
+    always, if_improbable = kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value
     monkeypatch.delenv("FLCE_RARE_TARGET", raising=False)
     targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2])  # V = 8: 9 is another rank's
     counts = {3: 3, 1: 2, 4: 1, 0: 1, 2: 4}
-    expected = [int(t in counts and counts[t] <= 2) for t in targets.tolist()]
-    assert chunked._rare_target_rows(targets, 8).tolist() == expected
+
+    def expected(rare, most):
+        return [0 if t not in counts else always if counts[t] <= rare else if_improbable if counts[t] <= most else 0
+                for t in targets.tolist()]
+
+    assert chunked._rare_target_rows(targets, 8).tolist() == expected(2, 64)
     monkeypatch.setenv("FLCE_RARE_TARGET", "3")
-    assert chunked._rare_target_rows(targets, 8).tolist() == [int(t in counts and counts[t] <= 3)
-                                                              for t in targets.tolist()]
+    assert chunked._rare_target_rows(targets, 8).tolist() == expected(3, 64)
     monkeypatch.setenv("FLCE_RARE_TARGET", "0")
-    assert chunked._rare_target_rows(targets, 8).tolist() == [0] * len(targets)
+    assert chunked._rare_target_rows(targets, 8).tolist() == expected(0, 64)
+    monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
+    assert chunked._rare_target_rows(targets, 8).tolist() == expected(0, 3)

@@ -535,8 +535,9 @@ def test_training_loss_is_the_forwards(flce, monkeypatch):
 
 def test_row_factors_keep_or_take_out_each_target_entry(flce):
     """row_factors on a bf16 buffer of exponentials exp(z - B), B each row's target logit, with
-    the even rows' target entries taken out of the products (and those of rows whose p_t is
-    below RARE_PROBABILITY): G = diag(r) E' + diag(c) T is
+    the even rows' target entries taken out of the products (OUT_ALWAYS), and the odd rows' where
+    p_t is below RARE_PROBABILITY (OUT_IF_IMPROBABLE; row 13, flagged 0, keeps it in though its
+    p_t is as small as row 15's): G = diag(r) E' + diag(c) T is
     s g (p - onehot) either way. Taken out, the buffer holds 0 at the target and c = s g (p_t - 1)
     to fp32; kept, c = 0 and r E'_it = s g (p_t - 1) to fp32 (r takes the target entry's bf16
     rounding, so that a small p_t's 1 - 1/p_t, far from 16 bits' grid, costs nothing). Every
@@ -552,9 +553,15 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
     targets[9] = vocab + 3
     loss_grad = torch.rand(rows, generator=gen, dtype=torch.float64) + 0.5
     loss_grad[5] = 0.0
-    take_out = (torch.arange(rows) % 2 == 0).to(torch.int8)
     local = targets < vocab
     columns = torch.where(local, targets, 0)
+    # rows 13 and 15 give their target little probability (p_t < 2^-10)
+    logits[[13, 15], columns[[13, 15]]] -= 3.0
+    # even rows: OUT_ALWAYS; odd rows OUT_IF_IMPROBABLE, but row 13: 0 (stays in, improbable or not)
+    kernels = submodule(flce, "_kernels")
+    take_out = torch.where(torch.arange(rows) % 2 == 0, kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value)
+    take_out[13] = 0
+    take_out = take_out.to(torch.int8)
     row_ref = logits.gather(1, columns[:, None])[:, 0]
     lse = torch.logsumexp(logits, dim=1)
     assert bool((logits.amax(1) < row_ref + 40.0).all())  # no row moves to its max: B stays the reference
@@ -569,12 +576,14 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
                                                   take_out.to(DEVICE))
     onehot = (torch.nn.functional.one_hot(columns, vocab) * local[:, None]).bool()
     at_target = local & (loss_grad != 0)
-    # taken out: the marked rows, and those whose p_t is below the kernels' RARE_PROBABILITY
+    # taken out: OUT_ALWAYS, and OUT_IF_IMPROBABLE where p_t is below the kernels' RARE_PROBABILITY
     p_target = torch.softmax(logits, dim=1).gather(1, columns[:, None])[:, 0]
-    rare_probability = submodule(flce, "_kernels").RARE_PROBABILITY.value
-    out = at_target & (take_out.bool() | (p_target < rare_probability))
+    improbable = p_target < kernels.RARE_PROBABILITY.value
+    assert bool(improbable[13]) and bool(improbable[15]) and int(improbable.sum()) == 2
+    out = at_target & ((take_out == kernels.OUT_ALWAYS.value)
+                       | ((take_out == kernels.OUT_IF_IMPROBABLE.value) & improbable))
     kept = at_target & ~out
-    assert int(out.sum()) >= 4 and int(kept.sum()) >= 4 and bool((out & ~take_out.bool()).any())
+    assert int(out.sum()) >= 4 and int(kept.sum()) >= 4 and bool(out[15]) and bool(kept[13])
     grad = row_factor.cpu().double()[:, None] * buffer.cpu().double()
     grad[onehot] += target_grad.cpu().double()[onehot.any(1)]
     expected = logit_scale * loss_grad[:, None] * (torch.softmax(logits, dim=1) - onehot.double())

@@ -458,7 +458,7 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     stores exponentials to ``buffer`` [rows, V], and one pass over the rows that does what
     ``row_stats``' merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with
     ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. ``take_out``
-    [rows] int8 (None: none) marks the rows whose target entry leaves the products. Returns
+    [rows] int8 (None: none) flags the rows whose target entry leaves the products. Returns
     (stats, r, c): r and c [rows] fp32, G = diag(r) E' + diag(c) T (see ``_kernels``)."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -678,12 +678,13 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
         acc, sorted_targets, segment_end, perm, target_grad, hidden,
         hidden_rows if hidden_rows is not None else _dummy(acc.device),
         n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
-        HAS_ROWS=hidden_rows is not None, BLOCK_H=block_h,
+        HAS_ROWS=hidden_rows is not None, BLOCK_Q=4, BLOCK_H=block_h,
     )
 
 
 def _take_out(take_out: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor:
-    """The rows' take_out flags [rows] int8, zeros (every target entry in the products) for None."""
+    """The rows' take_out flags [rows] int8 (``_kernels``: 0, OUT_ALWAYS, OUT_IF_IMPROBABLE);
+    zeros (every target entry in the products) for None."""
     return take_out if take_out is not None else torch.zeros(n_rows, device=device, dtype=torch.int8)
 
 
@@ -691,8 +692,8 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
                 take_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Turns the exponentials stored by ``row_stats(row_ref=...)`` into E' in place and returns
     (r, c) [rows] fp32 such that the chunk's grad logits are diag(r) E' + diag(c) T (see
-    ``_kernels``); ``take_out`` [rows] int8 (None: none) marks the rows whose target entry
-    leaves the products."""
+    ``_kernels``); ``take_out`` [rows] int8 (None: none) flags the rows whose target entry
+    leaves the products (``_kernels._factor_rows``)."""
     n_rows, vocab_size = buffer.shape
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)

@@ -34,6 +34,7 @@ import torch
 from . import _torch_backend, _triton_backend
 from ._backend import Backend
 from ._distributed import Shard
+from ._kernels import OUT_ALWAYS, OUT_IF_IMPROBABLE
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
@@ -291,20 +292,28 @@ class _Gradients:
         return self.grad_hidden, grad_weight, grad_bias
 
 
+# Targets of more rows than this keep their entries in the products even where p_t is small: it
+# bounds the rows that ``add_target_rows`` sums for one target (an unmasked padding token at a
+# model's start would be thousands).
+IMPROBABLE_MAX_COUNT = 64
+
+
 def _rare_target_rows(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N] int8: 1 on the rows whose target column (of this weight) is the target of at most
-    FLCE_RARE_TARGET (2) of the step's rows. Their target entries leave the bf16 products
-    (``_kernels``, factored gradients; so do those of rows with a small p_t): a rare target's
-    entry is its column's largest term, best added to grad_weight once, in fp32, at the end; a
-    frequent target's entries nearly cancel the column's other terms and stay in each chunk's
-    product (perf notes, run 52). Counted from a sort, with no host sync (bincount reads its
-    size on the host) and so also under CUDA-graph capture."""
+    """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column (of this
+    weight) is the target of at most FLCE_RARE_TARGET (2) of the step's rows, OUT_IF_IMPROBABLE
+    where it is of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
+    elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
+    once, in fp32, at the end; a frequent target's entries nearly cancel the column's other terms
+    and stay in each chunk's product (perf notes, runs 52-53). Counted from a sort, with no host
+    sync (bincount reads its size on the host), and so also under CUDA-graph capture."""
     rare = env_int("FLCE_RARE_TARGET", 2)
     valid = (targets >= 0) & (targets < vocab_size)
     columns = torch.where(valid, targets, vocab_size)
     ordered = torch.sort(columns).values
     counts = torch.searchsorted(ordered, columns, right=True) - torch.searchsorted(ordered, columns)
-    return (valid & (counts <= rare)).to(torch.int8)
+    flags = torch.where(counts <= rare, OUT_ALWAYS.value,
+                        torch.where(counts <= IMPROBABLE_MAX_COUNT, OUT_IF_IMPROBABLE.value, 0))
+    return torch.where(valid, flags, 0).to(torch.int8)
 
 
 def _concat_stats(chunks: list[RowStats]) -> RowStats:

@@ -87,8 +87,9 @@ class FactoredBackend(Backend, Protocol):
                     lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,
                     opts: LossOptions, take_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Makes the stored exponentials E' in place; returns (r, c) [rows] fp32 with
-        G = diag(r) E' + diag(c) T: c is the target entry of the rows marked in ``take_out``
-        [rows] int8 (0 in E' there), 0 elsewhere (None: no row marked)."""
+        G = diag(r) E' + diag(c) T: c is the target entry of the rows whose ``take_out`` flag
+        [rows] int8 takes it out of the products (0 in E' there; ``_kernels._factor_rows``), 0
+        elsewhere (None: every entry stays in)."""
 
     def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
                        buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,

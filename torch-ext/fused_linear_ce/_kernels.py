@@ -47,7 +47,7 @@ target and c_i = s g_i (p_it - 1) (the target entry outside them), so that
 and no pass over the chunk's buffer is needed once lse is known. Which way a row goes is a
 matter of rounding, decided by how many of the step's rows have the same target
 (``take_out``, see ``_chunked``) and by p_t: a rare target's entry, or that of a row that
-gives its target less than RARE_PROBABILITY, is its column's largest term, and kept out of
+gives its (not frequent) target less than RARE_PROBABILITY, is its column's largest term, and kept out of
 grad_weight's 16-bit running sum it meets that sum once, in fp32, at its last rounding (as
 PyTorch's G_it = p_t - 1 meets h_i in one product); a frequent, well predicted target's
 entries nearly cancel its column's other terms, so they stay in each chunk's product, where
@@ -76,8 +76,11 @@ NO_INDEX = tl.constexpr(2147483647)
 # far inside bf16's and fp32's range.
 REFERENCE_GAP = tl.constexpr(40.0)
 
-# Below this probability a row's target entry leaves the bf16 products whatever its column's count
-# (``_factor_rows``): near-uniform rows, whose columns' other terms are too small to cancel it.
+# A row's take_out flag (``_factor_rows``): its target entry stays in the bf16 products (0), leaves
+# them (OUT_ALWAYS: a rare target), or leaves them where p_t < RARE_PROBABILITY (OUT_IF_IMPROBABLE:
+# near-uniform rows, whose columns' other terms are too small to cancel it).
+OUT_ALWAYS = tl.constexpr(1)
+OUT_IF_IMPROBABLE = tl.constexpr(2)
 RARE_PROBABILITY = tl.constexpr(2.0**-10)
 
 
@@ -663,9 +666,10 @@ def _factor_rows(
 
     A row's final reference R is its B (``row_ref``), or its max where a tile passed B by more
     than REFERENCE_GAP; the (rare) rows of the latter kind have their tiles rescaled to R here.
-    Then r = s g exp(R - lse). A row with ``take_out`` or p_t < RARE_PROBABILITY stores 0 at its
-    target and gets c = s g (p_t - 1), p_t = exp(B - lse) (B is the target's logit wherever the
-    target is in this weight's columns); any other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
+    Then r = s g exp(R - lse). A row whose ``take_out`` flag is OUT_ALWAYS, or OUT_IF_IMPROBABLE
+    with p_t < RARE_PROBABILITY, stores 0 at its target and gets c = s g (p_t - 1), p_t =
+    exp(B - lse) (B is the target's logit wherever the target is in this weight's columns); any
+    other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
     takes that entry's 16-bit rounding, so that r E'_it = s g (p_t - 1) exactly. BLOCK_V must be
     the logit kernel's tile width.
     """
@@ -689,7 +693,8 @@ def _factor_rows(
 
     at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
     p_target = tl.exp(row_ref - lse)
-    out_of_products = at_target & (take_out | (p_target < RARE_PROBABILITY))
+    improbable = (take_out == OUT_IF_IMPROBABLE) & (p_target < RARE_PROBABILITY)
+    out_of_products = at_target & ((take_out == OUT_ALWAYS) | improbable)
     target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
     value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
     value = tl.where(out_of_products, 0.0, value - tl.exp(lse - reference))
@@ -716,7 +721,7 @@ def _row_factors_kernel(
     lse_ptr,  # [n_rows] fp32
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
     targets_ptr,  # [n_rows] int, columns of this weight (out of range: no target here)
-    take_out_ptr,  # [n_rows] int8: 1 where the target entry leaves the products (``_factor_rows``)
+    take_out_ptr,  # [n_rows] int8: where the target entry leaves the products (``_factor_rows``)
     row_factor_ptr,  # [n_rows] fp32 out: r
     target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
     # sizes and strides
@@ -738,7 +743,7 @@ def _row_factors_kernel(
     lse = tl.load(lse_ptr + offs_r, mask=row_mask, other=0.0)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
-    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0) != 0
+    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
                                        offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
@@ -755,7 +760,7 @@ def _factored_rows_kernel(
     row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``row_reference``)
     target_logit_ptr,  # [n_rows] fp32
     targets_ptr,  # [n_rows] int
-    take_out_ptr,  # [n_rows] int8: 1 where the target entry leaves the products (``_factor_rows``)
+    take_out_ptr,  # [n_rows] int8: where the target entry leaves the products (``_factor_rows``)
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
     buffer_ptr,  # [n_rows, V] in: mode 3's exponentials, out: E'
     row_max_ptr,  # [n_rows] fp32 out
@@ -814,7 +819,7 @@ def _factored_rows_kernel(
     _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
                    RETURN_METRICS=RETURN_METRICS)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
-    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0) != 0
+    take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
                                        offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
@@ -1040,11 +1045,13 @@ def _target_rows_kernel(
     stride_hn,
     stride_hk,
     HAS_ROWS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """grad_weight's target terms: acc[t] += sum over the rows i with target t of c_i h_i, for
     columns BLOCK_H x program_id(1). The first sorted position of each target sums its rows in
-    fp32, in the sorted order (deterministic), and the sum meets acc's entry in one rounding."""
+    fp32, BLOCK_Q at a time in the sorted order (deterministic), and the sum meets acc's entry in
+    one rounding."""
     pos = tl.program_id(0)
     target = tl.load(sorted_targets_ptr + pos)
     previous = tl.load(sorted_targets_ptr + pos - 1, mask=pos > 0, other=-1)
@@ -1052,13 +1059,17 @@ def _target_rows_kernel(
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs_h < hidden_size
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for q in range(pos, tl.load(segment_end_ptr + pos)):
-            row = tl.load(perm_ptr + q)
-            target_grad = tl.load(target_grad_ptr + row)
+        end = tl.load(segment_end_ptr + pos)
+        for first in range(pos, end, BLOCK_Q):
+            offs_q = first + tl.arange(0, BLOCK_Q)
+            in_segment = offs_q < end
+            rows = tl.load(perm_ptr + offs_q, mask=in_segment, other=0)
+            target_grad = tl.load(target_grad_ptr + rows, mask=in_segment, other=0.0)
             if HAS_ROWS:
-                row = tl.load(hidden_rows_ptr + row)
-            h = tl.load(hidden_ptr + row * stride_hn + offs_h * stride_hk, mask=mask, other=0.0)
-            total += target_grad * h.to(tl.float32)
+                rows = tl.load(hidden_rows_ptr + rows, mask=in_segment, other=0)
+            h = tl.load(hidden_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hk,
+                        mask=in_segment[:, None] & mask[None, :], other=0.0)
+            total += tl.sum(target_grad[:, None] * h.to(tl.float32), axis=0)
         acc_ptrs = acc_ptr + target * stride_acc + offs_h
         acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(acc_ptrs, (acc + total).to(acc_ptr.dtype.element_ty), mask=mask)
