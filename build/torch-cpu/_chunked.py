@@ -186,9 +186,9 @@ class _Gradients:
         want_h, want_w, want_b = grads
         self.row_order, self.shard = row_order, shard
         self.hidden = hidden
-        # The factored gradient's target entries c and targets of the computed rows (in the
-        # order's order), added to grad_weight at its one last rounding (``finish``).
-        self.target_grads, self.targets = [], []
+        # The factored gradient's target entries c of the computed rows (in the order's order),
+        # added to grad_weight at its one last rounding (``finish``).
+        self.target_grads = []
         self.pending = []  # grad_hidden all-reduces in flight: (work, block, rows it goes to or None)
         self.grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
         self.grad_weight = _new_weight_grad(vocab_size, hidden.shape[1], hidden, chunk, n_chunks) if want_w else None
@@ -221,7 +221,6 @@ class _Gradients:
         self.computed = end
         if target_terms is not None:
             self.target_grads.append(target_terms[0])
-            self.targets.append(target_terms[1])
         if self.grad_hidden is None:
             return
         in_place = self.row_order is None or end <= self.row_order.in_place
@@ -267,10 +266,11 @@ class _Gradients:
             self.grad_weight.addmm_(lhs, rhs)
         self.group_chunks += 1
 
-    def finish(self, dtype, bias, backend=None):
+    def finish(self, dtype, bias, backend=None, targets=None):
         """(grad_hidden, grad_weight, grad_bias) in the inputs' dtype, all-reduces done; rows
         never computed get an exactly zero grad_hidden; the factored chunks' target terms go
-        into grad_weight's fp32 sum (or its last rounding) through ``backend``."""
+        into grad_weight's fp32 sum (or its last rounding) through ``backend``, with ``targets``
+        [N] the rows' columns of this weight (in the order's order)."""
         for work, block, rows in self.pending:
             work.wait()
             if rows is not None:
@@ -282,8 +282,8 @@ class _Gradients:
             rows = None if self.row_order is None or self.computed <= self.row_order.in_place \
                 else self.row_order.order[:self.computed]
             backend.add_target_rows(grad_weight if self.weight_sum is None else self.weight_sum,
-                                    torch.cat(self.target_grads), torch.cat(self.targets), self.hidden, rows)
-        self.target_grads = self.targets = []
+                                    torch.cat(self.target_grads), targets[:self.computed], self.hidden, rows)
+        self.target_grads = []
         if self.weight_sum is not None:  # one rounding of the fp32 sum of the groups and the last one
             grad_weight = torch.add(self.weight_sum, grad_weight, out=grad_weight)
             self.weight_sum = None
@@ -457,7 +457,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if training:
         buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
         loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, row_weight, weight_sum, vocab_size)
-    take_out = _rare_target_rows(slice_targets, vocab_size) if factored else None
+    # (only grad_weight gains from it: grad_hidden's target term is exact either way)
+    take_out = _rare_target_rows(slice_targets, vocab_size) if factored and grads[1] else None
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.
@@ -498,7 +499,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             reference = None if references is None else tuple(t[start:end] for t in references)
             stats, row_factor, target_grad = backend.factored_chunk(
                 hidden_c, weight, targets_c, opts, stored, loss_grad_c, out, scaled_hidden,
-                return_metrics=return_metrics, reference=reference, take_out=take_out[start:end])
+                return_metrics=return_metrics, reference=reference,
+                take_out=None if take_out is None else take_out[start:end])
             finish(stats, start, end, out)
             # What the products need of the chunk's hidden rows is in scaled_hidden now, and
             # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
@@ -524,7 +526,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         out = finish(stats, start, end)  # finalize
         if factored:  # gradient
             row_factor, target_grad = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c,
-                                                          targets_c, opts, take_out[start:end])
+                                                          targets_c, opts,
+                                                          None if take_out is None else take_out[start:end])
             gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, (target_grad, targets_c))
         elif training:
             grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
@@ -532,8 +535,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             gradients.add(start, end, hidden_c, grad_logits, weight)
     if merge_once and chunk_stats:
         finish(shard.merge(_concat_stats(chunk_stats)), 0, computed)
-    return _forward_result(results, gradients.finish(hidden.dtype, bias, backend), targets, opts, reduction, row_order,
-                           row_weight, return_metrics, f32)
+    grads_out = gradients.finish(hidden.dtype, bias, backend, slice_targets)
+    return _forward_result(results, grads_out, targets, opts, reduction, row_order, row_weight, return_metrics, f32)
 
 
 def _new_results(n_rows: int, return_metrics: bool, f32: dict) -> RowResults:
