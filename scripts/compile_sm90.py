@@ -2,8 +2,10 @@
 copy engine (TMA), through Triton's own compiler, so that a kernel the interpreter runs but the
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
-the tensor-core target logit) with their flags on and off, marked "wgmma" where their PTX has
-Hopper's tensor-core products; with ``--gluon`` also the forward's statistics kernel in Gluon.
+the tensor-core target logit, the row scaling, grad_weight's target rows, the target counts and
+flags) with their flags on and off and at their launches' block sizes, marked "wgmma" where
+their PTX has Hopper's tensor-core products, with the bytes ptxas spills to local memory
+("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
         [--gluon]
@@ -13,7 +15,10 @@ Prints one line per variant: "ok <shared memory bytes>" or the error; exits 1 on
 
 import argparse
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -61,16 +66,19 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
                 "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
                 "weight_ptr": "*bf16", "dst_rows_ptr": "*i64", "dst_ptr": "*bf16", "acc_ptr": "*bf16",
-                "sorted_targets_ptr": "*i64", "segment_end_ptr": "*i64", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64"}
+                "sorted_targets_ptr": "*i32", "segment_end_ptr": "*i64", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
+                "counts_ptr": "*i32", "flags_ptr": "*i8"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
     "_finalize_rows_kernel": dict(BLOCK_R=128),
-    "_row_factors_kernel": dict(BLOCK_R=64, BLOCK_V=BLOCK_V),
-    "_factored_rows_kernel": dict(BLOCK_R=16, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
+    "_row_factors_kernel": dict(BLOCK_R=16, BLOCK_V=BLOCK_V),
+    "_factored_rows_kernel": dict(BLOCK_R=8, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
     "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
     "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
     "_target_rows_kernel": dict(BLOCK_Q=4, BLOCK_H=1024),
+    "_count_targets_kernel": dict(BLOCK=1024),
+    "_take_out_flags_kernel": dict(BLOCK=1024),
 }
 
 
@@ -88,6 +96,18 @@ def compile_row_kernel(name: str, flags_on: bool):
             signature[param_name] = "fp32" if param_name in ROW_FLOATS else "i32"
     return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
+
+
+def spill_bytes(kernel) -> int:
+    """The bytes a compiled kernel's PTX spills to local memory (stores), from ``ptxas -v``."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
 def compile_gluon_stats(dtype_name: str, even_v: bool):
@@ -130,7 +150,8 @@ def main() -> int:
             try:
                 kernel = compile_row_kernel(name, flags_on)
                 tensor_cores = " wgmma" if "wgmma" in kernel.asm["ptx"] else ""
-                print(f"{name} flags={int(flags_on)}: ok {kernel.metadata.shared}{tensor_cores}")
+                print(f"{name} flags={int(flags_on)}: ok {kernel.metadata.shared}{tensor_cores}"
+                      f" spills={spill_bytes(kernel)}")
             except Exception as e:
                 failed += 1
                 print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")

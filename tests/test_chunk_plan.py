@@ -6,7 +6,7 @@ chunk's work is queued; the plan must then use as few chunks as that number need
 import math
 
 import torch
-from conftest import submodule
+from conftest import DEVICE, submodule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -162,22 +162,28 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     """A row's target entry leaves the bf16 products where its column is the target of at most
     FLCE_RARE_TARGET (2) of the step's rows (OUT_ALWAYS), or may leave them (where its p_t is
     small: OUT_IF_IMPROBABLE) where it is of at most IMPROBABLE_MAX_COUNT; counted over the rows
-    with a target in this weight's columns (ignored ones and other ranks' columns count for
-    nothing, and are flagged 0)."""
+    with a target in this weight's columns (ignored ones, also with an ignore_index inside the
+    vocabulary, and other ranks' columns count for nothing, and are flagged 0)."""
     chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernels")
+    backend = submodule(flce, "_triton_backend")
     always, if_improbable = kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value
     monkeypatch.delenv("FLCE_RARE_TARGET", raising=False)
-    targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2])  # V = 8: 9 is another rank's
-    counts = {3: 3, 1: 2, 4: 1, 0: 1, 2: 4}
+    targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2, 5, 5, 5])  # V = 8: 9 is another rank's
 
-    def expected(rare, most):
-        return [0 if t not in counts else always if counts[t] <= rare else if_improbable if counts[t] <= most else 0
-                for t in targets.tolist()]
+    def expected(rare, most, ignore_index=-100):
+        counted = [t for t in targets.tolist() if 0 <= t < 8 and t != ignore_index]
+        return [0 if t not in counted else always if counted.count(t) <= rare
+                else if_improbable if counted.count(t) <= most else 0 for t in targets.tolist()]
 
-    assert chunked._rare_target_rows(targets, 8).tolist() == expected(2, 64)
+    def flags(ignore_index=-100):
+        return chunked._rare_target_rows(backend, targets.to(DEVICE), 8, ignore_index).tolist()
+
+    assert flags() == expected(2, 64)
+    assert flags(ignore_index=5) == expected(2, 64, ignore_index=5)
+    assert flags(ignore_index=5)[-3:] == [0, 0, 0] and flags()[-3:] == [if_improbable] * 3
     monkeypatch.setenv("FLCE_RARE_TARGET", "3")
-    assert chunked._rare_target_rows(targets, 8).tolist() == expected(3, 64)
+    assert flags() == expected(3, 64)
     monkeypatch.setenv("FLCE_RARE_TARGET", "0")
-    assert chunked._rare_target_rows(targets, 8).tolist() == expected(0, 64)
+    assert flags() == expected(0, 64)
     monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
-    assert chunked._rare_target_rows(targets, 8).tolist() == expected(0, 3)
+    assert flags() == expected(0, 3)

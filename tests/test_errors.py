@@ -3,7 +3,7 @@ documented limitation of the in-forward gradients."""
 
 import pytest
 import torch
-from conftest import DEVICE, assert_rel, make_inputs, tolerance
+from conftest import DEVICE, assert_rel, make_inputs, submodule, tolerance
 from reference import reference
 
 N, H, V = 6, 8, 11
@@ -215,3 +215,30 @@ def test_target_check_is_skipped_under_torch_compile(flce, inputs):
     ref = reference(**inputs, grad_output=torch.tensor(1.0))
     assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
     assert_rel(inputs["weight"].grad, ref.grad_weight, tolerance(torch.float32, "grad"), "grad_weight")
+
+
+# ---- the range check's kernel -----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_targets_out_of_range_flag_finds_any_bad_target(flce, dtype):
+    """The CUDA range check's one kernel (``targets_out_of_range``): its flag is 1 exactly when
+    some target is neither in [0, V) nor ignore_index, wherever that target sits (the first
+    row, inside, the last of a partial block) and whatever ignore_index is (-100, or inside
+    [0, V), where the -100 rows become bad ones), against the comparison in PyTorch."""
+    backend = submodule(flce, "_triton_backend")
+    gen = torch.Generator().manual_seed(11)
+    n_rows, vocab = 150, 40  # past two blocks of the interpreter's 64
+    cases = [(-100, None, None), (7, None, None)]  # (ignore_index, bad row, bad value); ignore 7: -100 is bad
+    cases += [(-100, row, value) for row in (0, 77, n_rows - 1) for value in (vocab, -1, 10**6)]
+    cases += [(7, row, 7) for row in (0, n_rows - 1)]
+    outcomes = []
+    for ignore_index, row, value in cases:
+        targets = torch.randint(0, vocab, (n_rows,), generator=gen)
+        if ignore_index == -100:
+            targets[torch.rand(n_rows, generator=gen) < 0.1] = -100
+        if row is not None:
+            targets[row] = value
+        expected = bool((((targets < 0) | (targets >= vocab)) & (targets != ignore_index)).any())
+        flag = backend.targets_out_of_range(targets.to(dtype).to(DEVICE), vocab, ignore_index)
+        assert flag.dtype == torch.int32 and int(flag) == int(expected), (ignore_index, row, value)
+        outcomes.append(expected)
+    assert outcomes == [False, False] + [True] * 9 + [False, False]

@@ -28,6 +28,9 @@ class Backend(Protocol):
                   return_metrics: bool, device: torch.device) -> int:
         """Rows a tile of this call's statistics sweeps (128 or more): chunks are planned in them."""
 
+    def targets_out_of_range(self, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+        """A [] int32 flag, 1 if a target [N] is neither in [0, vocab_size) nor ``ignore_index``."""
+
     def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the
         backend's ``row_stats`` writes (the inputs' dtype, or fp32 for PyTorch's logits)."""
@@ -107,6 +110,12 @@ class FactoredBackend(Backend, Protocol):
                    target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """dst[dst_rows] = factor[:, None] * src, with ``target_terms`` (c, targets, weight) also
         + c[:, None] * weight[targets], rounded once to dst's dtype; returns dst."""
+
+    def take_out_flags(self, targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,
+                       improbable_count: int) -> torch.Tensor:
+        """[N] int8 ``take_out`` flags from each row's target's count of rows: OUT_ALWAYS up to
+        ``rare_count`` rows, OUT_IF_IMPROBABLE up to ``improbable_count``, else 0 (and 0 on rows
+        without a target here)."""
 
     def add_target_rows(self, acc: torch.Tensor, target_grad: torch.Tensor, targets: torch.Tensor,
                         hidden: torch.Tensor, hidden_rows: torch.Tensor | None = None) -> None:

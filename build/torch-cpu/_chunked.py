@@ -34,7 +34,6 @@ import torch
 from . import _torch_backend, _triton_backend
 from ._backend import Backend
 from ._distributed import Shard
-from ._kernels import OUT_ALWAYS, OUT_IF_IMPROBABLE
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
 
 
@@ -298,22 +297,15 @@ class _Gradients:
 IMPROBABLE_MAX_COUNT = 64
 
 
-def _rare_target_rows(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _rare_target_rows(backend, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
     """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column (of this
     weight) is the target of at most FLCE_RARE_TARGET (2) of the step's rows, OUT_IF_IMPROBABLE
     where it is of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
     elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
     once, in fp32, at the end; a frequent target's entries nearly cancel the column's other terms
-    and stay in each chunk's product (perf notes, runs 52-53). Counted from a sort, with no host
-    sync (bincount reads its size on the host), and so also under CUDA-graph capture."""
+    and stay in each chunk's product (perf notes, runs 52-53)."""
     rare = env_int("FLCE_RARE_TARGET", 2)
-    valid = (targets >= 0) & (targets < vocab_size)
-    columns = torch.where(valid, targets, vocab_size)
-    ordered = torch.sort(columns).values
-    counts = torch.searchsorted(ordered, columns, right=True) - torch.searchsorted(ordered, columns)
-    flags = torch.where(counts <= rare, OUT_ALWAYS.value,
-                        torch.where(counts <= IMPROBABLE_MAX_COUNT, OUT_IF_IMPROBABLE.value, 0))
-    return torch.where(valid, flags, 0).to(torch.int8)
+    return backend.take_out_flags(targets, vocab_size, ignore_index, rare, IMPROBABLE_MAX_COUNT)
 
 
 def _concat_stats(chunks: list[RowStats]) -> RowStats:
@@ -458,7 +450,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
         loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, row_weight, weight_sum, vocab_size)
     # (only grad_weight gains from it: grad_hidden's target term is exact either way)
-    take_out = _rare_target_rows(slice_targets, vocab_size) if factored and grads[1] else None
+    take_out = (_rare_target_rows(backend, slice_targets, vocab_size, opts.ignore_index)
+                if factored and grads[1] else None)
     # Vocabulary parallelism without gradients in the sweep: one merge of every row's
     # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
     # its global lse before the next chunk takes the buffer.

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._chunked import backend_for
 from ._distributed import vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
@@ -171,27 +172,27 @@ def _out_of_range(targets: Tensor, vocab_size: int, ignore_index: int) -> Tensor
 
 
 def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
-    """Queues the range check of the targets ahead of the loss's own work: a flag copied to
-    pinned host memory, and an event that marks it ready."""
-    bad = _out_of_range(targets, vocab_size, ignore_index)
-    any_bad = bad.any()
+    """Queues the range check of the targets [N] ahead of the loss's own work: the backend's
+    flag (on CUDA one kernel and its zero fill) copied to pinned host memory, and an event that
+    marks it ready."""
+    flag = backend_for(targets.device).targets_out_of_range(targets, vocab_size, ignore_index)
     if targets.device.type != "cuda":
-        return bad, any_bad, None
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
-    flag.copy_(any_bad, non_blocking=True)  # on the targets' device's current stream
+        return flag, None
+    host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
+    host_flag.copy_(flag, non_blocking=True)  # on the targets' device's current stream
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(targets.device))
-    return bad, flag, ready
+    return host_flag, ready
 
 
 def _finish_target_check(check, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raises on an out-of-range target. Called once the loss's work is queued: the host waits
     for the flag only (the kernels queued before it), while the GPU goes on with the loss."""
-    bad, flag, ready = check
+    flag, ready = check
     if ready is not None:
         ready.synchronize()
     if bool(flag):
-        value = int(targets[bad][0])
+        value = int(targets[_out_of_range(targets, vocab_size, ignore_index)][0])
         raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
 
 
@@ -323,14 +324,13 @@ def fused_linear_cross_entropy(
         class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
     if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
         targets = targets.long()  # no int32 target equals this ignore_index: compare in int64
-    # The targets' range flag is queued first and read once the loss's work is queued behind
-    # it: the host never waits for the loss itself, so the GPU does not idle at the check.
-    target_check = (_start_target_check(targets, total_vocab_size, ignore_index) if _targets_checked(targets)
-                    else None)
-
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
+    # The targets' range flag is queued first and read once the loss's work is queued behind
+    # it: the host never waits for the loss itself, so the GPU does not idle at the check.
+    target_check = (_start_target_check(targets_1d, total_vocab_size, ignore_index) if _targets_checked(targets)
+                    else None)
     if bias is not None:
         bias = bias.contiguous()
     options = LossOptions(
@@ -357,7 +357,7 @@ def fused_linear_cross_entropy(
             bool(return_lse),
         )
     if target_check is not None:
-        _finish_target_check(target_check, targets, total_vocab_size, ignore_index)
+        _finish_target_check(target_check, targets_1d, total_vocab_size, ignore_index)
     if reduction == "none":
         loss = _drop_shifted(loss.reshape(leading_shape), shift)
     outputs = [loss]

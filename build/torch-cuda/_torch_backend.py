@@ -35,6 +35,11 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
     return 128
 
 
+def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """A [] int32 flag, 1 if a target is neither in [0, vocab_size) nor ``ignore_index``."""
+    return (((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)).any().to(torch.int32)
+
+
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The per-chunk buffer [rows, V]: fp32 logits (fp64 for fp64 inputs)."""
     return torch.empty((rows, vocab_size), dtype=accumulation_dtype(dtype), device=device)

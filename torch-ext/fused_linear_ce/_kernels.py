@@ -660,6 +660,7 @@ def _factor_rows(
     buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out, offs_r, row_mask,
     vocab_size, stride_buf_n, logit_scale,
     BLOCK_V: tl.constexpr,
+    RESCALE_COLS: tl.constexpr,
 ):
     """Makes the stored exponentials of rows ``offs_r`` the factored gradient's E' and returns
     (r, c) [BLOCK_R] fp32: G = diag(r) E' + diag(c) T (see the module's notes).
@@ -682,13 +683,16 @@ def _factor_rows(
     if tl.max(moved.to(tl.int32), axis=0) > 0:
         num_tiles = tl.cdiv(vocab_size, BLOCK_V)
         for tile in range(0, num_tiles):
-            offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask = moved[:, None] & (offs_v < vocab_size)[None, :]
-            tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
-            rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
-            ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
-            values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
+            # a tile's columns RESCALE_COLS (a divisor of BLOCK_V) at a time: with many rows a
+            # program, a whole tile's pointers and values are more than 4 warps' registers
+            for part in tl.static_range(0, BLOCK_V, RESCALE_COLS):
+                offs_v = tile * BLOCK_V + part + tl.arange(0, RESCALE_COLS)
+                mask = moved[:, None] & (offs_v < vocab_size)[None, :]
+                tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
+                rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
+                ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
+                values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # the target entries below are read after their rescaled store
 
     at_target = row_mask & has_grad & (targets >= 0) & (targets < vocab_size)
@@ -745,7 +749,8 @@ def _row_factors_kernel(
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
     take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
-                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V,
+                                       RESCALE_COLS=64)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
 
@@ -821,7 +826,8 @@ def _factored_rows_kernel(
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
-                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V)
+                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V,
+                                       RESCALE_COLS=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
     if SCALE_HIDDEN:
@@ -1029,10 +1035,67 @@ def _scale_rows_kernel(
     tl.store(dst_ptr + dst_rows[:, None] * stride_dst + offs_c[None, :], value.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _targets_out_of_range_kernel(
+    targets_ptr,  # [n_rows] int
+    flag_ptr,  # [1] int32, zero on entry: set to 1 if a target is out of range
+    n_rows,
+    vocab_size,
+    ignore_index,
+    BLOCK: tl.constexpr,
+):
+    """flag = 1 where a target is neither a column of the (whole) vocabulary nor
+    ``ignore_index``; every program that finds one stores the same 1."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    targets = tl.load(targets_ptr + offs, mask=offs < n_rows, other=0)
+    bad = (offs < n_rows) & ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.store(flag_ptr, 1)
+
+
+@triton.jit
+def _count_targets_kernel(
+    targets_ptr,  # [n_rows] int: each row's column of this weight (out of range: none)
+    counts_ptr,  # [V] int32, zero on entry: the rows of each column
+    n_rows,
+    vocab_size,
+    ignore_index,
+    BLOCK: tl.constexpr,
+):
+    """counts[t] += 1 for each row whose target t is a column here and not ``ignore_index``.
+    Integer atomics are exact, so the counts do not depend on the order the rows come in."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    targets = tl.load(targets_ptr + offs, mask=offs < n_rows, other=-1)
+    counted = (offs < n_rows) & (targets >= 0) & (targets < vocab_size) & (targets != ignore_index)
+    tl.atomic_add(counts_ptr + tl.where(counted, targets, 0), tl.full([BLOCK], 1, tl.int32), mask=counted)
+
+
+@triton.jit
+def _take_out_flags_kernel(
+    targets_ptr,  # [n_rows] int
+    counts_ptr,  # [V] int32 from _count_targets_kernel
+    flags_ptr,  # [n_rows] int8 out: 0, OUT_ALWAYS or OUT_IF_IMPROBABLE
+    n_rows,
+    vocab_size,
+    ignore_index,
+    rare_count,  # OUT_ALWAYS where the target is of at most this many rows
+    improbable_count,  # OUT_IF_IMPROBABLE where it is of at most this many (and more than rare_count)
+    BLOCK: tl.constexpr,
+):
+    """Each row's take_out flag (see ``_factor_rows``) from its target's count of rows; 0 for
+    rows without a target here."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    targets = tl.load(targets_ptr + offs, mask=offs < n_rows, other=-1)
+    counted = (offs < n_rows) & (targets >= 0) & (targets < vocab_size) & (targets != ignore_index)
+    count = tl.load(counts_ptr + tl.where(counted, targets, 0), mask=counted, other=0)
+    flags = tl.where(count <= rare_count, OUT_ALWAYS, tl.where(count <= improbable_count, OUT_IF_IMPROBABLE, 0))
+    tl.store(flags_ptr + offs, tl.where(counted, flags, 0).to(tl.int8), mask=offs < n_rows)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _target_rows_kernel(
     acc_ptr,  # [V, H] grad_weight's sum (any float dtype, unit column stride), updated in place
-    sorted_targets_ptr,  # [n_rows] int64: the rows' targets sorted (stably), V where a row has none
+    sorted_targets_ptr,  # [n_rows] int: the rows' targets sorted (stably), V where a row has none
     segment_end_ptr,  # [n_rows] int64: one past the last sorted position with the same target
     perm_ptr,  # [n_rows] int64: the row of each sorted position
     target_grad_ptr,  # [n_rows] fp32 c of each row

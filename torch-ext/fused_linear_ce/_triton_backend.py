@@ -670,7 +670,9 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     vocab_size, hidden_size = acc.shape
     if n_rows == 0:
         return
-    key = torch.where((targets >= 0) & (targets < vocab_size) & (target_grad != 0), targets, vocab_size).to(torch.int64)
+    # Only rows with a term are keyed (the others sort as V, out of range); int32 keys halve the
+    # sort's radix passes.
+    key = torch.where(target_grad != 0, targets, vocab_size).to(torch.int32)
     sorted_targets, perm = torch.sort(key, stable=True)
     segment_end = torch.searchsorted(sorted_targets, sorted_targets, right=True)
     block_h = 32 if interpreting() else 1024
@@ -680,6 +682,38 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
         n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
         HAS_ROWS=hidden_rows is not None, BLOCK_Q=4, BLOCK_H=block_h,
     )
+
+
+def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """A [] int32 flag, 1 if a target is neither in [0, vocab_size) nor ``ignore_index``: one
+    launch beside its zero fill, for the loss's range check."""
+    flag = torch.zeros((), device=targets.device, dtype=torch.int32)
+    n_rows = targets.numel()
+    if n_rows:
+        block = 64 if interpreting() else 1024
+        K._targets_out_of_range_kernel[(triton.cdiv(n_rows, block),)](
+            targets, flag, n_rows, vocab_size, int(ignore_index), BLOCK=block)
+    return flag
+
+
+def take_out_flags(targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,
+                   improbable_count: int) -> torch.Tensor:
+    """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column is the
+    target of at most ``rare_count`` of the rows, OUT_IF_IMPROBABLE where of at most
+    ``improbable_count``, 0 elsewhere and on rows without a target here (out of range, or
+    ``ignore_index``). Counted with int32 atomics in three launches and no host sync (so also
+    under CUDA-graph capture)."""
+    n_rows = targets.shape[0]
+    counts = torch.zeros(vocab_size, device=targets.device, dtype=torch.int32)
+    flags = torch.empty(n_rows, device=targets.device, dtype=torch.int8)
+    if n_rows == 0:
+        return flags
+    block = 64 if interpreting() else 1024
+    grid = (triton.cdiv(n_rows, block),)
+    K._count_targets_kernel[grid](targets, counts, n_rows, vocab_size, int(ignore_index), BLOCK=block)
+    K._take_out_flags_kernel[grid](targets, counts, flags, n_rows, vocab_size, int(ignore_index),
+                                   int(rare_count), int(improbable_count), BLOCK=block)
+    return flags
 
 
 def _take_out(take_out: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor:
@@ -697,7 +731,7 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
     n_rows, vocab_size = buffer.shape
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
-    block_r = 16 if interpreting() else 64
+    block_r = 16  # more rows a program take more registers than 4 warps have (compile_sm90.py)
     K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
         buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, _take_out(take_out, n_rows, buffer.device),
         row_factor, target_grad,
