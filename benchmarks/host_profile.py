@@ -1,6 +1,8 @@
-"""Where the host's time goes in a training step, for heads where the GPU may wait for it.
+"""Where the host's time goes in a training step (or, with ``--forward``, an evaluation
+forward), for heads where the GPU may wait for it.
 
     python benchmarks/host_profile.py --rows llama2,llama3 --steps 30 --json host.json [--cprofile host.txt]
+        [--forward]
 
 For each head, after a warm-up:
 - ``wall``: ms a step, ``--steps`` steps back to back, one synchronize at the end;
@@ -67,16 +69,21 @@ def install_timers(flce) -> dict:
     return totals
 
 
-def profile_row(flce, totals, row: str, steps: int, rep_ms: int, cprofile_report=None) -> dict:
+def profile_row(flce, totals, row: str, steps: int, rep_ms: int, cprofile_report=None, forward: bool = False) -> dict:
+    """Host and wall time of a training step of ``row`` (``forward``: of an evaluation forward)."""
     hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
     hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
-    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    h, w = hidden.detach().requires_grad_(not forward), weight.detach().requires_grad_(not forward)
     host = [0.0]
 
     def step():
         start = time.perf_counter()
-        h.grad = w.grad = None
-        flce.fused_linear_cross_entropy(h, w, targets).backward()
+        if forward:
+            with torch.no_grad():
+                flce.fused_linear_cross_entropy(h, w, targets)
+        else:
+            h.grad = w.grad = None
+            flce.fused_linear_cross_entropy(h, w, targets).backward()
         host[0] += time.perf_counter() - start
 
     for _ in range(5):
@@ -91,7 +98,7 @@ def profile_row(flce, totals, row: str, steps: int, rep_ms: int, cprofile_report
     wall = (time.perf_counter() - start) / steps * 1e3
     per_step = {name: seconds / steps * 1e3 for name, seconds in sorted(totals.items(), key=lambda kv: -kv[1])}
     result = {
-        "row": row, "wall_ms": wall, "host_ms": host[0] / steps * 1e3,
+        "row": row, "step": "forward" if forward else "training", "wall_ms": wall, "host_ms": host[0] / steps * 1e3,
         "waiting_ms": per_step.get("_RowOrder.rows_to_compute", 0.0), "calls_ms": per_step,
         "do_bench_ms": do_bench(step, warmup=100, rep=rep_ms, quantiles=[0.1, 0.5, 0.9]),
     }
@@ -142,6 +149,7 @@ def main():
     parser.add_argument("--rep-ms", type=int, default=1000)
     parser.add_argument("--sustained-s", type=float, default=0.0)
     parser.add_argument("--sustained-methods", default="fused-linear-ce,torch.compile")
+    parser.add_argument("--forward", action="store_true", help="evaluation forwards instead of training steps")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cprofile", default=None)
     args = parser.parse_args()
@@ -150,7 +158,7 @@ def main():
     report = io.StringIO() if args.cprofile else None
     results = []
     for row in args.rows.split(","):
-        r = profile_row(flce, totals, row, args.steps, args.rep_ms, report)
+        r = profile_row(flce, totals, row, args.steps, args.rep_ms, report, forward=args.forward)
         results.append(r)
         q = r["do_bench_ms"]
         print(f"{row}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} (waiting {r['waiting_ms']:.2f}), "

@@ -1,13 +1,15 @@
 """The device launches of one training step, counted on the CPU (Triton interpreter).
 
     TRITON_INTERPRET=1 python benchmarks/launch_count.py --json launches.json [--rows 1024 --vocab 4096]
+        [--forward]
 
 A step of a large head is bound by its products, but each small launch around them (an
-elementwise op, a sort's passes) still costs the GPU 2-4 us. This counts, for one forward and
-backward of ``fused_linear_cross_entropy`` (fp32, the factored gradient, random targets with 10%
-ignored), the Triton kernels launched and the ATen ops that run on tensors (each at least one
-kernel on a GPU; views and allocations excluded), by name, so that a change's launches can be
-compared without a GPU.
+elementwise op, a sort's passes) still costs the GPU 2-4 us, and the host more. This counts,
+for one forward and backward of ``fused_linear_cross_entropy`` (fp32, the factored gradient,
+random targets with 10% ignored; with ``--forward``, an evaluation forward), the Triton kernels
+launched and the ATen ops that do work on tensors (each at least one kernel on a GPU, a sort
+several; views and allocations excluded), by name, so that a change's launches can be compared
+without a GPU.
 """
 
 import argparse
@@ -50,16 +52,23 @@ def _launching(event) -> bool:
     return _does_work(event)
 
 
-def count_step(flce, n_rows: int, vocab_size: int, hidden_size: int, seed: int = 0) -> dict:
-    """{"triton": {kernel: launches}, "aten": {op: calls}, "total"} of one training step."""
+def count_step(flce, n_rows: int, vocab_size: int, hidden_size: int, seed: int = 0, forward: bool = False) -> dict:
+    """{"triton": {kernel: launches}, "aten": {op: calls}, "total"} of one training step (with
+    ``forward``, of an evaluation forward: no gradients)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n_rows, hidden_size, generator=gen).requires_grad_()
-    weight = (torch.randn(vocab_size, hidden_size, generator=gen) / hidden_size ** 0.5).requires_grad_()
+    hidden = torch.randn(n_rows, hidden_size, generator=gen).requires_grad_(not forward)
+    weight = (torch.randn(vocab_size, hidden_size, generator=gen) / hidden_size ** 0.5).requires_grad_(not forward)
     targets = torch.randint(0, vocab_size, (n_rows,), generator=gen)
     targets[torch.rand(n_rows, generator=gen) < 0.1] = -100
-    flce.fused_linear_cross_entropy(hidden, weight, targets).backward()  # warm-up (compiles, plans)
+
+    def step():
+        loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
+        if not forward:
+            loss.backward()
+
+    step()  # warm-up (compiles, plans)
     hidden.grad = weight.grad = None
 
     run = InterpretedFunction.run
@@ -71,7 +80,7 @@ def count_step(flce, n_rows: int, vocab_size: int, hidden_size: int, seed: int =
     InterpretedFunction.run = recorded_run
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
+            step()
     finally:
         InterpretedFunction.run = run
     events = prof.events()
@@ -86,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--forward", action="store_true", help="an evaluation forward (no gradients)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -93,8 +103,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "torch-ext"))
     import fused_linear_ce
 
-    counts = count_step(fused_linear_ce, args.rows, args.vocab, args.hidden)
+    counts = count_step(fused_linear_ce, args.rows, args.vocab, args.hidden, forward=args.forward)
     record = {"command": " ".join(sys.argv), "rows": args.rows, "vocab": args.vocab, "hidden": args.hidden,
+              "step": "forward" if args.forward else "training",
               "torch": torch.__version__, "git": os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip(),
               "dirty": bool(os.popen(f"git -C {ROOT} status --porcelain -- torch-ext").read().strip()),
               **counts}

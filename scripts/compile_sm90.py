@@ -66,7 +66,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
                 "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
                 "weight_ptr": "*bf16", "dst_rows_ptr": "*i64", "dst_ptr": "*bf16", "acc_ptr": "*bf16",
-                "sorted_targets_ptr": "*i32", "segment_end_ptr": "*i64", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
+                "sorted_targets_ptr": "*i32", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
                 "counts_ptr": "*i32", "flags_ptr": "*i8"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)

@@ -163,7 +163,8 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     FLCE_RARE_TARGET (2) of the step's rows (OUT_ALWAYS), or may leave them (where its p_t is
     small: OUT_IF_IMPROBABLE) where it is of at most IMPROBABLE_MAX_COUNT; counted over the rows
     with a target in this weight's columns (ignored ones, also with an ignore_index inside the
-    vocabulary, and other ranks' columns count for nothing, and are flagged 0)."""
+    vocabulary, and other ranks' columns count for nothing, and are flagged 0); FLCE_RARE_TARGET=-1
+    turns the rule off."""
     chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernels")
     backend = submodule(flce, "_triton_backend")
     always, if_improbable = kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value
@@ -187,3 +188,5 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     assert flags() == expected(0, 64)
     monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
     assert flags() == expected(0, 3)
+    monkeypatch.setenv("FLCE_RARE_TARGET", "-1")  # no rule: no flags at all
+    assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None

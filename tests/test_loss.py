@@ -98,6 +98,8 @@ CASES = {
     # row computed, on the same kind of inputs.
     "factored_chunks_ignored": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), ignore=0.3, logit_scale=0.7),
     "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
+    # Every target entry in the products (FLCE_RARE_TARGET=-1: no take-out flags, no target terms).
+    "factored_entries_in": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_RARE_TARGET=-1), ignore=0.3),
     "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
     "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
     # The references in one launch a chunk (FLCE_PICK_ONCE=0) instead of one launch before the
@@ -611,7 +613,7 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_add_target_rows_sums_each_targets_rows_once(flce, acc_dtype, with_rows):
     """grad_weight's target terms: acc[t] += sum of c_i h_i over the rows with target t, with
-    repeated targets (a frequent token), targets out of range (ignored, or in another rank's
+    repeated targets (a frequent token; nine and eight rows), targets out of range (ignored, or in another rank's
     slice: no term) and rows of hidden picked by an order; against float64, in one rounding to
     acc's dtype (fp16: 2^-11 of the entry, and the fp32 sum's 2^-24 per term; fp32: the sum's),
     and bitwise the same on a second call (a fixed order of summation)."""
@@ -620,7 +622,8 @@ def test_add_target_rows_sums_each_targets_rows_once(flce, acc_dtype, with_rows)
     n_rows, vocab, hidden_size = 40, 12, 48
     hidden = torch.randn(n_rows + 7, hidden_size, generator=gen).to(DEVICE)
     targets = torch.randint(0, vocab, (n_rows,), generator=gen)
-    targets[:9] = 3  # nine rows share a target
+    targets[:9] = 3  # nine rows share a target (more than two steps of the kernel's 4 rows)
+    targets[20:28] = vocab - 1  # eight, two whole steps: the next one finds another target
     targets[10], targets[11] = -100, vocab + 2
     target_grad = torch.randn(n_rows, generator=gen)
     hidden_rows = torch.randperm(n_rows + 7, generator=gen)[:n_rows] if with_rows else None

@@ -1096,7 +1096,6 @@ def _take_out_flags_kernel(
 def _target_rows_kernel(
     acc_ptr,  # [V, H] grad_weight's sum (any float dtype, unit column stride), updated in place
     sorted_targets_ptr,  # [n_rows] int: the rows' targets sorted (stably), V where a row has none
-    segment_end_ptr,  # [n_rows] int64: one past the last sorted position with the same target
     perm_ptr,  # [n_rows] int64: the row of each sorted position
     target_grad_ptr,  # [n_rows] fp32 c of each row
     hidden_ptr,  # [*, H]
@@ -1113,8 +1112,8 @@ def _target_rows_kernel(
 ):
     """grad_weight's target terms: acc[t] += sum over the rows i with target t of c_i h_i, for
     columns BLOCK_H x program_id(1). The first sorted position of each target sums its rows in
-    fp32, BLOCK_Q at a time in the sorted order (deterministic), and the sum meets acc's entry in
-    one rounding."""
+    fp32, BLOCK_Q at a time in the sorted order (deterministic) up to the first position of
+    another target, and the sum meets acc's entry in one rounding."""
     pos = tl.program_id(0)
     target = tl.load(sorted_targets_ptr + pos)
     previous = tl.load(sorted_targets_ptr + pos - 1, mask=pos > 0, other=-1)
@@ -1122,10 +1121,13 @@ def _target_rows_kernel(
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs_h < hidden_size
         total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        end = tl.load(segment_end_ptr + pos)
-        for first in range(pos, end, BLOCK_Q):
+        first = pos
+        more = pos >= 0  # (true) while the last BLOCK_Q positions were all the target's
+        while more:
             offs_q = first + tl.arange(0, BLOCK_Q)
-            in_segment = offs_q < end
+            in_segment = (offs_q < n_rows) & (tl.load(sorted_targets_ptr + offs_q, mask=offs_q < n_rows) == target)
+            more = tl.sum(in_segment.to(tl.int32), axis=0) == BLOCK_Q
+            first += BLOCK_Q
             rows = tl.load(perm_ptr + offs_q, mask=in_segment, other=0)
             target_grad = tl.load(target_grad_ptr + rows, mask=in_segment, other=0.0)
             if HAS_ROWS:

@@ -674,10 +674,9 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     # sort's radix passes.
     key = torch.where(target_grad != 0, targets, vocab_size).to(torch.int32)
     sorted_targets, perm = torch.sort(key, stable=True)
-    segment_end = torch.searchsorted(sorted_targets, sorted_targets, right=True)
     block_h = 32 if interpreting() else 1024
     K._target_rows_kernel[(n_rows, triton.cdiv(hidden_size, block_h))](
-        acc, sorted_targets, segment_end, perm, target_grad, hidden,
+        acc, sorted_targets, perm, target_grad, hidden,
         hidden_rows if hidden_rows is not None else _dummy(acc.device),
         n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
         HAS_ROWS=hidden_rows is not None, BLOCK_Q=4, BLOCK_H=block_h,

@@ -297,14 +297,17 @@ class _Gradients:
 IMPROBABLE_MAX_COUNT = 64
 
 
-def _rare_target_rows(backend, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+def _rare_target_rows(backend, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor | None:
     """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column (of this
     weight) is the target of at most FLCE_RARE_TARGET (2) of the step's rows, OUT_IF_IMPROBABLE
     where it is of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
     elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
     once, in fp32, at the end; a frequent target's entries nearly cancel the column's other terms
-    and stay in each chunk's product (perf notes, runs 52-53)."""
+    and stay in each chunk's product (perf notes, runs 52-53). FLCE_RARE_TARGET=-1: None, every
+    entry stays in (no counts, no target terms: the rule's cost, measured)."""
     rare = env_int("FLCE_RARE_TARGET", 2)
+    if rare < 0:
+        return None
     return backend.take_out_flags(targets, vocab_size, ignore_index, rare, IMPROBABLE_MAX_COUNT)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _torch_backend
 from ._chunked import backend_for
 from ._distributed import vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
@@ -175,7 +176,9 @@ def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
     """Queues the range check of the targets [N] ahead of the loss's own work: the backend's
     flag (on CUDA one kernel and its zero fill) copied to pinned host memory, and an event that
     marks it ready."""
-    flag = backend_for(targets.device).targets_out_of_range(targets, vocab_size, ignore_index)
+    # (inside a torch.func transform a new tensor is wrapped, which a Triton kernel cannot take)
+    backend = _torch_backend if _under_functorch() else backend_for(targets.device)
+    flag = backend.targets_out_of_range(targets, vocab_size, ignore_index)
     if targets.device.type != "cuda":
         return flag, None
     host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
