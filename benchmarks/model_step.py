@@ -9,7 +9,8 @@ tokens with 10% of them -100. The same model, after ``patch_forward``, takes two
 ``transformers`` (its own forward: logits, then its loss; ``fused_loss=False``) and
 ``fused-linear-ce`` (the patched forward: the backbone, then the fused loss). For each: the median
 time of a step (forward + backward, no optimizer) after ``--warmup-ms`` of warm-up, its peak
-memory above what was allocated before it, the loss, and on CUDA the GPU's clock and power during
+memory above what was allocated before it, the loss, the same of an evaluation forward (``eval_*``:
+``model.eval()`` under ``torch.no_grad()``, the loss alone), and on CUDA the GPU's clock and power during
 the timing, its joules a step, and the profiler's busy time against the span of three steps back to
 back (``explore.kernel_breakdown``): a patched model's step should keep the GPU as busy as the
 model's own.
@@ -131,13 +132,25 @@ def main():
             prof.export_chrome_trace(str(Path(args.out).with_name(f"trace_{name}.json")))
         model.zero_grad(set_to_none=True)
         entry["step_peak_mib"] = peak_mib(step, device)
+
+        def evaluate(fused=fused):
+            with torch.no_grad():
+                return model(**inputs, fused_loss=fused).loss
+
+        model.eval()
+        entry["eval_loss"] = evaluate().item()
+        entry["eval_ms"] = time_step(evaluate, device, args.warmup_ms, args.rep_ms)
+        entry["eval_peak_mib"] = peak_mib(evaluate, device)
+        model.train()
         result["results"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("kernel_ms", "largest_gaps_ms")}), flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     ours, theirs = (next(r for r in result["results"] if r["method"] == m) for m in ("fused-linear-ce", "transformers"))
     print(f"step {ours['step_ms']:.2f} ms against transformers' {theirs['step_ms']:.2f} "
-          f"({ours['step_ms'] / theirs['step_ms']:.2f}); loss {ours['loss']:.5f} against {theirs['loss']:.5f}")
+          f"({ours['step_ms'] / theirs['step_ms']:.2f}); loss {ours['loss']:.5f} against {theirs['loss']:.5f}; "
+          f"evaluation forward {ours['eval_ms']:.2f} ms against {theirs['eval_ms']:.2f} "
+          f"({ours['eval_ms'] / theirs['eval_ms']:.2f})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/model_step.py, on a tiny model and the CPU: the patched model's fused loss is the
-model's own loss on the same batch (fp32: within fp32 rounding of a mean over 30 tokens)."""
+model's own loss on the same batch (fp32: within fp32 rounding of a mean over 30 tokens), in a
+training step and in an evaluation forward."""
 
 import json
 import os
@@ -22,4 +23,7 @@ def test_model_step_runs_both_paths_on_the_same_loss(tmp_path):
     assert set(results) == {"transformers", "fused-linear-ce"}
     theirs, ours = results["transformers"]["loss"], results["fused-linear-ce"]["loss"]
     assert abs(ours - theirs) <= 1e-5 * abs(theirs)
-    assert all(r["step_ms"] > 0 for r in results.values())
+    # the evaluation forward (no gradients, eval mode): the same loss by either path, and the step's
+    for r in results.values():
+        assert abs(r["eval_loss"] - theirs) <= 1e-5 * abs(theirs)
+    assert all(r["step_ms"] > 0 and r["eval_ms"] > 0 for r in results.values())
