@@ -3,7 +3,7 @@ copy engine (TMA), through Triton's own compiler, so that a kernel the interpret
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
 the tensor-core target logit, the row scaling, grad_weight's target rows, the target counts and
-flags) with their flags on and off and at their launches' block sizes, marked "wgmma" where
+flags, the targets' range check) with their flags on and off and at their launches' block sizes, marked "wgmma" where
 their PTX has Hopper's tensor-core products, with the bytes ptxas spills to local memory
 ("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
 
@@ -71,7 +71,7 @@ ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*
                 "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
                 "weight_ptr": "*bf16", "dst_rows_ptr": "*i64", "dst_ptr": "*bf16", "acc_ptr": "*bf16",
                 "sorted_targets_ptr": "*i32", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
-                "counts_ptr": "*i32", "flags_ptr": "*i8"}
+                "counts_ptr": "*i32", "flags_ptr": "*i8", "flag_ptr": "*i32"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
@@ -83,6 +83,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_target_rows_kernel": dict(BLOCK_Q=4, BLOCK_H=1024),
     "_count_targets_kernel": dict(BLOCK=1024),
     "_take_out_flags_kernel": dict(BLOCK=1024),
+    "_targets_out_of_range_kernel": dict(BLOCK=1024),
 }
 
 
