@@ -23,11 +23,16 @@ class _Count:
         return self.count
 
 
-def _plan(flce, n_rows, chunk, count, training, row_block=128):
+def _plan(flce, n_rows, chunk, count, training, row_block=128, sweep_tiles=None):
     chunked = submodule(flce, "_chunked")
     order = None if count is None else _Count(count)
-    first = chunked._first_chunk_rows(n_rows, chunk, order, training, row_block)
-    return first, list(chunked._spans(n_rows, chunk, order, first, row_block))
+    first = chunked._first_chunk_rows(n_rows, chunk, order, training, row_block, sweep_tiles)
+    return first, list(chunked._spans(n_rows, chunk, order, first, row_block, sweep_tiles))
+
+
+def _rounds(spans, row_block, tiles_per_block, programs):
+    """Rounds of the persistent sweeps of these chunks: ceil(row blocks x tiles / programs) each."""
+    return sum(math.ceil(math.ceil((end - start) / row_block) * tiles_per_block / programs) for start, end in spans)
 
 
 def test_llama3_step_at_8192_rows(flce):
@@ -54,6 +59,53 @@ def test_spans_cover_the_rows_to_compute_in_the_fewest_chunks(flce, n_rows, bloc
     # but the last in whole row blocks
     assert len(spans) == 1 + math.ceil((total - first) / chunk)
     assert all((end - start) % row_block == 0 for start, end in spans[1:-1])
+
+
+def test_llama2_forward_chunks_fill_their_rounds(flce, monkeypatch):
+    """Llama-2's head (125 tiles of 256 a row block) on 132 multiprocessors, a forward of 8192
+    rows of which 7373 have a loss, in 192-row tiles, chunks of at most 4032 (21 blocks): the
+    first chunk takes 19 blocks (2375 tiles, 18 rounds for 17.99 of work; 21 blocks take 20 for
+    19.89), the rest (3725 rows, 20 blocks) 19 rounds: 37 against the even plan's 20 + 18; and
+    where the rest takes several chunks, their sizes fill rounds too."""
+    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
+    first, spans = _plan(flce, 8192, 4032, 7373, training=False, row_block=192, sweep_tiles=(125, 132))
+    assert first == 3648 and spans == [(0, 3648), (3648, 7373)]
+    assert _rounds(spans, 192, 125, 132) == 37
+    even_first, even = _plan(flce, 8192, 4032, 7373, training=False, row_block=192)
+    assert even == [(0, 4032), (4032, 7373)] and _rounds(even, 192, 125, 132) == 38
+    # 32768 rows, 29491 with a loss: after the same first chunk, the 25843 others take 7 chunks
+    # either way; six of 19 blocks (18 rounds each) and the last 3955 rows (21 blocks, 20 rounds)
+    # make 128 rounds, the even six of 20 blocks (19 each) and 2803 rows (15 blocks, 15) 129.
+    first, spans = _plan(flce, 32768, 4032, 29491, training=False, row_block=192, sweep_tiles=(125, 132))
+    assert first == 3648 and [end - start for start, end in spans] == [3648] * 7 + [3955]
+    assert _rounds(spans, 192, 125, 132) == 18 + 128
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(n_rows=st.integers(1, 40000), blocks=st.integers(1, 24), row_block=st.sampled_from([128, 192]),
+       kept=st.floats(0.0, 1.0), tiles=st.integers(1, 1200), programs=st.integers(1, 200))
+def test_round_filled_chunks_keep_the_plan_and_never_take_more_rounds(flce, n_rows, blocks, row_block, kept, tiles,
+                                                                     programs):
+    """Chunks sized to fill their rounds (a forward's, ``sweep_tiles``) keep the plan's rules (the
+    rows covered once, in as few chunks as the rest needs, each at most ``chunk`` and in whole
+    row blocks but the last; a whole first chunk of at least 85% of one) and, after the same
+    first chunk, never take more rounds than the even spread."""
+    count = round(kept * n_rows)
+    chunk = blocks * row_block
+    first, spans = _plan(flce, n_rows, chunk, count, training=False, row_block=row_block,
+                         sweep_tiles=(tiles, programs))
+    total = max(first, count)
+    assert spans[0] == (0, first) and spans[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert all(0 < end - start <= chunk for start, end in spans)
+    assert len(spans) == 1 + math.ceil((total - first) / chunk)
+    assert all((end - start) % row_block == 0 for start, end in spans[1:-1])
+    if n_rows > chunk:  # a whole first chunk, or at most half the rows (the split of a forward)
+        half = math.ceil(math.ceil(n_rows / 2) / row_block) * row_block if n_rows >= 2048 else n_rows
+        assert math.ceil(0.85 * blocks) * row_block <= first or first == half
+    chunked = submodule(flce, "_chunked")
+    even = list(chunked._spans(n_rows, chunk, _Count(count), first, row_block))
+    assert _rounds(spans, row_block, tiles, programs) <= _rounds(even, row_block, tiles, programs)
 
 
 def test_a_forward_that_fits_one_chunk_computes_half_first(flce, monkeypatch):

@@ -178,6 +178,14 @@ def _max_programs(device: torch.device) -> int:
     return _sm_counts[device]
 
 
+def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
+    """(vocabulary tiles a row block, programs a round) of a persistent sweep over this
+    weight, for the chunk plan (``_chunked._fullest_chunk``); None under FLCE_FILL_ROUNDS=0."""
+    if env_int("FLCE_FILL_ROUNDS", 1) == 0:
+        return None
+    return triton.cdiv(vocab_size, tile_width(dtype)), _max_programs(device)
+
+
 # ---- launches ---------------------------------------------------------------------------
 class TileState(NamedTuple):
     """What a chunk's sweep leaves for its gradient: each (row, tile)'s max [rows, num_tiles]

@@ -31,6 +31,10 @@ class Backend(Protocol):
     def targets_out_of_range(self, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
         """A [] int32 flag, 1 if a target [N] is neither in [0, vocab_size) nor ``ignore_index``."""
 
+    def sweep_tiles(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
+        """(vocabulary tiles a row block, programs a round) of the backend's persistent sweep, for
+        chunks sized to fill its rounds; None where there are none."""
+
     def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the
         backend's ``row_stats`` writes (the inputs' dtype, or fp32 for PyTorch's logits)."""

@@ -40,6 +40,11 @@ def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: i
     return (((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)).any().to(torch.int32)
 
 
+def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """None: this backend's chunks have no rounds of tiles to fill."""
+    return None
+
+
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The per-chunk buffer [rows, V]: fp32 logits (fp64 for fp64 inputs)."""
     return torch.empty((rows, vocab_size), dtype=accumulation_dtype(dtype), device=device)
