@@ -158,17 +158,18 @@ def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, trai
     ``sweep_tiles`` a whole first chunk is sized to fill its sweep's rounds (``_fullest_first``)."""
     first = min(chunk, n_rows)
     if sweep_tiles is not None and first == chunk < n_rows:
-        first = _fullest_first(chunk, row_block, *sweep_tiles)
+        first = _fullest_first(n_rows, chunk, row_block, *sweep_tiles)
     split = env_int("FLCE_SPLIT_FIRST", 1) == 1  # 0: no split (exploration)
     if split and row_order is not None and not training and n_rows >= 2048:
         first = min(first, _cdiv(_cdiv(n_rows, 2), row_block) * row_block)
     return first
 
 
-def _fullest_first(chunk: int, row_block: int, tiles_per_block: int, programs: int) -> int:
+def _fullest_first(n_rows: int, chunk: int, row_block: int, tiles_per_block: int, programs: int) -> int:
     """A whole first chunk's rows (the others are planned once the count is known: ``_spans``):
     of 85% to 100% of ``chunk``, in whole blocks, the one whose sweep leaves the smallest share
-    of its last round idle. Llama-2's 125 tiles a block on 132 programs: 21 blocks (4032 rows)
+    of its last round idle, among those that leave the ``n_rows`` (if all had a loss) as many
+    chunks as a whole one. Llama-2's 125 tiles a block on 132 programs: 21 blocks (4032 rows)
     take 20 rounds for 19.89 of work, 19 blocks (3648) 18 rounds for 17.99."""
     most = chunk // row_block
     if most == 0:
@@ -178,7 +179,9 @@ def _fullest_first(chunk: int, row_block: int, tiles_per_block: int, programs: i
         rounds = _cdiv(blocks * tiles_per_block, programs)
         return (rounds * programs - blocks * tiles_per_block) / (rounds * programs)
 
-    candidates = range(most, max(1, math.ceil(0.85 * most)) - 1, -1)  # largest first: ties keep it
+    chunks_after = _cdiv(n_rows - chunk, chunk)
+    candidates = [b for b in range(most, max(1, math.ceil(0.85 * most)) - 1, -1)  # largest first: ties keep it
+                  if _cdiv(n_rows - b * row_block, chunk) == chunks_after]
     return min(candidates, key=idle_share) * row_block
 
 
