@@ -723,7 +723,8 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     """grad_weight's target terms, in place: acc[t] += sum over the rows i with targets[i] == t
     of target_grad[i] * hidden[hidden_rows[i]] (hidden[i] without ``hidden_rows``), each sum in
     fp32 in a fixed order and added to acc's entry in one rounding. acc [V, H] (unit column
-    stride), target_grad [rows] fp32 (0: no term), targets [rows] int (out of range: no term)."""
+    stride), target_grad [rows] fp32 (0: no term), targets [rows] int (out of range: no term;
+    compared as int32, so a row with a term has a target below 2^31 in magnitude)."""
     n_rows = targets.shape[0]
     vocab_size, hidden_size = acc.shape
     if n_rows == 0:
