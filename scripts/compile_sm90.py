@@ -8,7 +8,7 @@ their PTX has Hopper's tensor-core products, with the bytes ptxas spills to loca
 ("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
-        [--gluon] [--tail]
+        [--gluon]
 
 Prints one line per variant: "ok <shared memory bytes>" or the error; exits 1 on any error.
 """
@@ -32,21 +32,18 @@ from fused_linear_ce import _kernels as K  # noqa: E402
 BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the autotuner's main configuration for bf16
 POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32"}  # others: fp32, or bf16 for the inputs
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
-INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "first_tile", "last_tile", "stride_hn", "stride_hk",
-            "stride_wv", "stride_wk", "stride_out_n")
+INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_hk", "stride_wv", "stride_wk",
+            "stride_out_n")
 FLOATS = ("logit_scale", "softcap", "label_smoothing", "z_loss_scale", "inv_vocab_size")
 
 
-def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persistent: bool = True,
-                         block_n: int = BLOCK_N, num_warps: int = 8, num_stages: int = 3):
-    """The compiled logit kernel for sm_90 in ``mode`` with the constexpr ``flags`` (by default the
-    autotuner's main configuration; the training sweep's tail launch: 64 rows, 4 warps, 4 stages)."""
+def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persistent: bool = True):
+    """The compiled logit kernel for sm_90 in ``mode`` with the constexpr ``flags``."""
     store = use_tma and mode != int(K.MODE_STATS)
-    blocks = {**INPUTS, "hidden_ptr": [block_n, BLOCK_K], "out_ptr": [block_n, BLOCK_V]}
     signature, constants = {}, {}
     for name in inspect.signature(K._logit_tile_kernel.fn).parameters:
         if name in INPUTS and use_tma and (name != "out_ptr" or store):
-            signature[name] = f"tensordesc<bf16{blocks[name]}>"
+            signature[name] = f"tensordesc<bf16{INPUTS[name]}>"
         elif name.endswith("_ptr"):
             signature[name] = POINTERS.get(name, "*bf16" if name in INPUTS or name == "bias_ptr" else "*fp32")
         elif name in INTEGERS:
@@ -57,13 +54,12 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
             signature[name] = "constexpr"
     constants.update(MODE=mode, HAS_BIAS=False, HAS_SOFTCAP=False, HAS_SMOOTHING=False, HAS_Z_LOSS=False,
                      HAS_LSE_GRAD=False, RETURN_METRICS=False, USE_TMA=use_tma, TMA_STORE=store, EVEN_K=True,
-                     INPUT_PRECISION="ieee", PERSISTENT=persistent, BLOCK_N=block_n, BLOCK_V=BLOCK_V,
+                     INPUT_PRECISION="ieee", PERSISTENT=persistent, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
                      BLOCK_K=BLOCK_K, HAS_CLASS_WEIGHT=False, ACC_DTYPE=tl.float32, HAS_LOGIT_SCALE=False,
                      EVEN_V=True, PICK_TARGET=True)
     constants.update(flags)
     source = ASTSource(K._logit_tile_kernel, signature, constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
 
 
 # Pointer dtypes of the per-row kernels' arguments other than fp32.
@@ -139,7 +135,6 @@ def main() -> int:
     parser.add_argument("--modes", default="0,1,2,3")
     parser.add_argument("--flags", default="", help="constexpr overrides, e.g. RETURN_METRICS=1,HAS_BIAS=1")
     parser.add_argument("--row-kernels", action="store_true")
-    parser.add_argument("--tail", action="store_true", help="also mode 3 in the training sweep's tail configuration")
     parser.add_argument("--gluon", action="store_true", help="also _gluon_stats' kernel, bf16 and fp16, EVEN_V 0/1")
     args = parser.parse_args()
     flags = {k: bool(int(v)) for k, v in (kv.split("=") for kv in args.flags.split(",") if kv)}
@@ -151,14 +146,6 @@ def main() -> int:
         except Exception as e:  # a compile error is the result to report
             failed += 1
             print(f"mode {mode} {args.flags}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-    if args.tail:
-        try:
-            kernel = compile_logit_kernel(int(K.MODE_STATS_AND_EXP), flags, persistent=False, block_n=64,
-                                          num_warps=4, num_stages=4)
-            print(f"mode 3 tail {args.flags}: ok {kernel.metadata.shared} spills={spill_bytes(kernel)}")
-        except Exception as e:
-            failed += 1
-            print(f"mode 3 tail {args.flags}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
     for name in ROW_KERNELS if args.row_kernels else ():
         for flags_on in (False, True):
             try:

@@ -254,17 +254,3 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     assert flags() == expected(0, 3)
     monkeypatch.setenv("FLCE_RARE_TARGET", "-1")  # no rule: no flags at all
     assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None
-
-
-def test_tail_model_moves_the_short_last_round_to_half_tiles(flce):
-    """``_tail_model`` (FLCE_TAIL_TILES=-1): on 132 multiprocessors a Llama-2 chunk of 12 row
-    blocks has 12 x 125 = 1500 tiles, 11 full rounds and 48 tiles; its last 4 vocabulary tiles
-    (48 tiles, 96 half tiles at once) go to the tail: 11 + 0.6 + 0.1 rounds for 12. A chunk of
-    10 row blocks (1250 tiles, 9.5 rounds) gains nothing from any tail (a tail of k tiles leaves
-    ceil(10 (125 - k) / 132) = 10 rounds for k < 7, and 20 k half tiles beside), and Qwen-2.5's
-    12 x 594 = 7128 tiles are 54 full rounds."""
-    backend = submodule(flce, "_triton_backend")
-    assert backend._tail_model(12, 125, 132) == 4
-    assert backend._tail_model(10, 125, 132) == 0
-    assert backend._tail_model(12, 594, 132) == 0
-    assert backend._tail_model(1, 1, 132) == 0  # one tile: nothing to split

@@ -34,15 +34,6 @@ def test_every_mode_compiles_for_sm90(flags, modes):
     assert run.stdout.count(": ok ") == len(modes.split(","))
 
 
-def test_the_training_sweeps_tail_configuration_compiles_for_sm90():
-    """Mode 3 in the tail launch's configuration (``_tail_config``: 64-row tiles, one
-    warpgroup, 4 stages, not persistent) fits the shared memory and does not spill."""
-    run = _compile("--modes", "3", "--tail")
-    assert run.returncode == 0, run.stdout + run.stderr
-    tail = [line for line in run.stdout.splitlines() if line.startswith("mode 3 tail")]
-    assert len(tail) == 1 and ": ok " in tail[0] and tail[0].endswith(" spills=0"), run.stdout
-
-
 def test_a_combination_the_launches_never_make_is_refused():
     """The factored mode with a bias fails its static assertion: the check can fail."""
     run = _compile("--modes", "3", "--flags", "HAS_BIAS=1")

@@ -98,10 +98,6 @@ CASES = {
     # row computed, on the same kind of inputs.
     "factored_chunks_ignored": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), ignore=0.3, logit_scale=0.7),
     "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
-    # The training sweep's last 2 vocabulary tiles in a second launch of half-height tiles.
-    # (four and a part tiles: 32 columns wide in the interpreter, 256 on a GPU)
-    "factored_tail_tiles": dict(n=37, v=4 * 256 + 17 if DEVICE == "cuda" else 4 * 32 + 17,
-                                env=dict(FLCE_CHUNK_ROWS=16, FLCE_TAIL_TILES=2), ignore=0.2),
     # Every target entry in the products (FLCE_RARE_TARGET=-1: no take-out flags, no target terms).
     "factored_entries_in": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_RARE_TARGET=-1), ignore=0.3),
     "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
@@ -685,50 +681,6 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
     torch.testing.assert_close(losses["1"], losses["0"], rtol=0.0, atol=1e-5)
     ref = reference(hidden, weight, targets, bias, reduction="none", logit_scale=0.5, softcap=softcap)
     assert_rel(losses["1"], ref.loss, tolerance(torch.float32, "loss"), "loss")
-
-
-@pytest.mark.parametrize("tail", [1, 3])
-def test_training_sweep_tail_tiles_take_a_second_launch(flce, monkeypatch, tail):
-    """FLCE_TAIL_TILES=k: a training sweep (mode 3) runs its vocabulary tiles [0, T - k) in one
-    launch and [T - k, T) in a second one of half-height tiles, every chunk; the loss and both
-    gradients are those of one launch to fp32 rounding (the same logits summed in the same K
-    order, the tiles' statistics in the same arrays)."""
-    backend, kernels = submodule(flce, "_triton_backend"), submodule(flce, "_kernels")
-    launches = []
-    launch = backend._launch_logit_tiles
-
-    def recording_launch(*args, tiles=None, config=None, **kwargs):
-        if kwargs["mode"] == kernels.MODE_STATS_AND_EXP:
-            launches.append((tiles, None if config is None else config["BLOCK_N"]))
-        return launch(*args, tiles=tiles, config=config, **kwargs)
-
-    monkeypatch.setattr(backend, "_launch_logit_tiles", recording_launch)
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # factored, and split only for 16 bits there
-    vocab = 4 * backend.tile_width(dtype) + 17  # four tiles and a part
-    hidden, weight, targets, _ = make_inputs(37, H, vocab, dtype, seed=47, ignore=0.2)
-    results = {}
-    for tail_tiles in ("0", str(tail)):
-        monkeypatch.setenv("FLCE_TAIL_TILES", tail_tiles)
-        launches.clear()
-        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
-        loss = flce.fused_linear_cross_entropy(h, w, targets)
-        loss.backward()
-        results[tail_tiles] = (loss.detach(), h.grad, w.grad)
-        num_tiles = -(-vocab // backend.tile_width(dtype))
-        chunks = len([t for t, _ in launches if t is not None and t[0] == 0])
-        assert chunks >= 2, launches  # 37 rows, 20% ignored, in chunks of 16
-        if tail_tiles == "0":
-            assert launches == [((0, num_tiles), None)] * chunks
-        else:
-            split = num_tiles - tail
-            half = backend._tail_config()["BLOCK_N"]
-            assert launches == [((0, split), None), ((split, num_tiles), half)] * chunks
-    # fp32 (interpreter): the same logits and statistics to fp32 rounding. bf16 (GPU): a
-    # statistic's last fp32 bit may move one stored exponential's bf16 rounding, 2^-8 of an entry.
-    tol = 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
-    for name, one, two in zip(("loss", "grad_hidden", "grad_weight"), results["0"], results[str(tail)], strict=True):
-        assert_rel(two, one, tol, name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES_16)

@@ -237,8 +237,6 @@ def _logit_tile_kernel(
     vocab_size,
     hidden_size,
     group_rows,  # rows whose tiles sweep the vocabulary together (their hidden rows stay in L2)
-    first_tile,  # this launch's vocabulary tiles: [first_tile, last_tile) of the cdiv(V, BLOCK_V)
-    last_tile,
     # strides
     stride_hn,
     stride_hk,
@@ -282,9 +280,7 @@ def _logit_tile_kernel(
     (lse known) stores the gradient with respect to the raw logits; mode 3 stores
     ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
     exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
-    target logit to the caller (``row_reference``'s). A launch covers the vocabulary tiles
-    [first_tile, last_tile) (all of them, or two launches that split them: see
-    ``_triton_backend._tail_tiles``). Tile ids go over the row blocks of a group
+    target logit to the caller (``row_reference``'s). Tile ids go over the row blocks of a group
     of ``group_rows`` rows fastest, then over the vocabulary, then over the groups: the programs
     running together share one weight tile in L2 while the group's hidden rows stay cached (a
     launch of more rows than L2 holds, ungrouped, re-reads them from memory). Without PERSISTENT
@@ -299,16 +295,15 @@ def _logit_tile_kernel(
     tl.static_assert(MODE != MODE_STATS_AND_EXP or not (HAS_BIAS or HAS_SOFTCAP or HAS_SMOOTHING or HAS_Z_LOSS),
                      "the factored gradient has one factor per row: no bias, softcap, smoothing or z-loss")
     num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
-    num_tiles = tl.cdiv(vocab_size, BLOCK_V)  # the statistics' row stride
-    tiles_here = last_tile - first_tile
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
     group_blocks = tl.cdiv(group_rows, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_row_blocks * tiles_here, tl.num_programs(0), flatten=PERSISTENT):
-        group = tile_id // (group_blocks * tiles_here)
+    for tile_id in tl.range(tl.program_id(0), num_row_blocks * num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        group = tile_id // (group_blocks * num_tiles)
         first_block = group * group_blocks
         blocks_in_group = tl.minimum(num_row_blocks - first_block, group_blocks)  # fewer in the last group
-        in_group = tile_id - first_block * tiles_here
+        in_group = tile_id - first_block * num_tiles
         pid_n = first_block + in_group % blocks_in_group
-        pid_v = first_tile + in_group // blocks_in_group
+        pid_v = in_group // blocks_in_group
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,

@@ -4,7 +4,6 @@ One call handles one chunk of rows; the chunk loop and the matrix products live 
 ``_chunked``. Under ``TRITON_INTERPRET=1`` the same launches run on CPU tensors.
 """
 
-import functools
 import os
 import warnings
 from typing import NamedTuple
@@ -247,16 +246,10 @@ def _group_rows(hidden: torch.Tensor) -> int:
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
-                        return_metrics=False, pick_target=True, tiles=None, config=None):
-    """The logit kernel over every row and the vocabulary tiles ``tiles`` = (first, last) (all
-    of them for None), with the autotuner's configuration or, given, ``config`` (a dict of
-    BLOCK_N, BLOCK_K, PERSISTENT, num_warps, num_stages)."""
+                        return_metrics=False, pick_target=True):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    first_tile, last_tile = (0, triton.cdiv(vocab_size, block_v)) if tiles is None else tiles
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
-    if config is not None:
-        kernel, fixed = K._logit_tile_kernel, config
     dummy = _dummy(hidden.device)
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
     # are aligned; block shapes are set per configuration, by the autotuner's pre-hook.
@@ -269,7 +262,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
     max_programs = _max_programs(hidden.device)
 
     def grid(meta):
-        tiles = triton.cdiv(n_rows, meta["BLOCK_N"]) * (last_tile - first_tile)
+        tiles = triton.cdiv(n_rows, meta["BLOCK_N"]) * triton.cdiv(vocab_size, block_v)
         return (min(tiles, max_programs) if meta["PERSISTENT"] else tiles,)
 
     args = (
@@ -282,7 +275,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         row_ref if row_ref is not None else dummy,
         class_weight if class_weight is not None else dummy,
         smooth_grad if smooth_grad is not None else dummy,
-        n_rows, vocab_size, hidden_size, _group_rows(hidden), first_tile, last_tile,
+        n_rows, vocab_size, hidden_size, _group_rows(hidden),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
     )
@@ -357,53 +350,10 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     if gluon is not None and gluon.applies(hidden, weight) \
             and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
         return tile_stats, target_logit, block_v, num_tiles
-    tail = _tail_tiles(hidden, num_tiles) if mode == K.MODE_STATS_AND_EXP else 0
-    launch = functools.partial(
-        _launch_logit_tiles, hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
-        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
-    launch(tiles=(0, num_tiles - tail))
-    if tail:
-        launch(tiles=(num_tiles - tail, num_tiles), config=_tail_config())
+    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
+                        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
+                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
     return tile_stats, target_logit, block_v, num_tiles
-
-
-def _tail_tiles(hidden: torch.Tensor, num_tiles: int) -> int:
-    """The last vocabulary tiles of a training sweep (mode 3) that a second launch takes, in
-    tiles of half the rows (``_tail_config``): FLCE_TAIL_TILES of them (0, the default: none;
-    -1: as ``_tail_model`` chooses). 16-bit inputs, or the interpreter."""
-    tail = env_int("FLCE_TAIL_TILES", 0)
-    if tail == 0 or (hidden.element_size() != 2 and not interpreting()):
-        return 0
-    if tail < 0:
-        tail = _tail_model(triton.cdiv(hidden.shape[0], 128), num_tiles, _max_programs(hidden.device))
-    return min(tail, num_tiles - 1)
-
-
-def _tail_model(row_blocks: int, num_tiles: int, programs: int, half_round: float = 0.6,
-                launch: float = 0.1) -> int:
-    """The tail (``_tail_tiles``) that minimises a sweep's time in rounds of the main launch's
-    128-row tiles: ceil(B (T - k) / P) rounds, then ceil(2 B k / P) rounds of half tiles at
-    ``half_round`` each and ``launch`` for the second launch. A persistent launch of B row blocks
-    x T tiles on P multiprocessors runs ceil(B T / P) rounds; where the last is short (Llama-2:
-    12 x 125 = 1500 tiles, 11 rounds and 48 tiles on 132) the tiles past the last full round can
-    run as 2 x 48 half tiles at once: k = 4, 11.7 rounds for 12. 0 where no tail gains a fifth
-    of a round."""
-    def cost(k):
-        main = -(-row_blocks * (num_tiles - k) // programs)
-        return main if k == 0 else main + half_round * -(-2 * row_blocks * k // programs) + launch
-
-    best = min(range(num_tiles), key=cost)
-    return best if cost(0) - cost(best) >= 0.2 else 0
-
-
-def _tail_config() -> dict:
-    """The tail launch's configuration (``_tail_tiles``): 64-row tiles, one warpgroup, not
-    persistent (one round); a tile's logits sum over K in the same order as the main launch's
-    128-row tiles, each warpgroup of which computes 64 rows."""
-    if interpreting():
-        return {"BLOCK_N": 8, "BLOCK_K": 16, "PERSISTENT": False}
-    return {"BLOCK_N": 64, "BLOCK_K": 64, "PERSISTENT": False, "num_warps": 4, "num_stages": 4}
 
 
 def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,

@@ -168,10 +168,6 @@ def _targets_checked(targets: Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _out_of_range(targets: Tensor, vocab_size: int, ignore_index: int) -> Tensor:
-    return ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-
-
 def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
     """Queues the range check of the targets [N] ahead of the loss's own work: the backend's
     flag (on CUDA one kernel and its zero fill) copied to pinned host memory, and an event that
@@ -195,7 +191,7 @@ def _finish_target_check(check, targets: Tensor, vocab_size: int, ignore_index: 
     if ready is not None:
         ready.synchronize()
     if bool(flag):
-        value = int(targets[_out_of_range(targets, vocab_size, ignore_index)][0])
+        value = int(targets[_torch_backend.out_of_range(targets, vocab_size, ignore_index)][0])
         raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
 
 

@@ -35,9 +35,14 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
     return 128
 
 
+def out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """[N] bool: the targets neither in [0, vocab_size) nor ``ignore_index``."""
+    return ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
+
+
 def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
     """A [] int32 flag, 1 if a target is neither in [0, vocab_size) nor ``ignore_index``."""
-    return (((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)).any().to(torch.int32)
+    return out_of_range(targets, vocab_size, ignore_index).any().to(torch.int32)
 
 
 def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
