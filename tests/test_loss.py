@@ -683,6 +683,48 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
     assert_rel(losses["1"], ref.loss, tolerance(torch.float32, "loss"), "loss")
 
 
+@pytest.mark.parametrize("pick_once", ["1", "0"])
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training_with_bias"])
+def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, monkeypatch, training, pick_once):
+    """Without the factored gradient (a forward, or training with a bias), every row's target
+    logit comes from one ``_picked_logits`` call before the chunks, the rows of the step's order
+    read in place (all of them, the ignored ones last); with FLCE_PICK_ONCE=0 from one call a
+    chunk of the rows with a loss (a forward's chunks: at least 128 rows). Both give the
+    reference's losses and gradients."""
+    backend = submodule(flce, "_triton_backend")
+    picked_rows = []
+    picked_logits = backend._picked_logits
+
+    def recording_picked_logits(hidden, weight, targets, opts, bias=None, rows=None):
+        picked_rows.append(targets.shape[0])
+        return picked_logits(hidden, weight, targets, opts, bias, rows=rows)
+
+    monkeypatch.setattr(backend, "_picked_logits", recording_picked_logits)
+    n_rows, chunk = (37, 8) if training else (300, 128)
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", str(chunk))
+    monkeypatch.setenv("FLCE_PICK_ONCE", pick_once)
+    hidden, weight, targets, bias = make_inputs(n_rows, H, V, torch.float32, seed=53, bias=training, ignore=0.2,
+                                                scale=3.0)
+    num_valid = int((targets != -100).sum())
+    grad_output = None
+    if training:  # (a reduced loss: gradients in the forward's sweep, where "none" recomputes them)
+        loss = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="sum")
+        grad_output = torch.tensor(0.4)
+        (loss * grad_output).backward()
+    else:
+        with torch.no_grad():
+            loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
+    if pick_once == "1":
+        assert picked_rows == [n_rows]
+    else:
+        assert num_valid > chunk and picked_rows == [chunk] * (num_valid // chunk) + [num_valid % chunk] * (
+            num_valid % chunk > 0), (picked_rows, num_valid)
+    ref = reference(hidden, weight, targets, bias, reduction="sum" if training else "none", grad_output=grad_output)
+    assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
+    if training:
+        check_grads((hidden, weight, bias), ref, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES_16)
 def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype):
     """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, N = 64)

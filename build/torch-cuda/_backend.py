@@ -43,6 +43,14 @@ class Backend(Protocol):
         """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
         int64 [1], d loss / d loss_i fp32 [N] of the ordered rows)."""
 
+    def step_target_logits(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           opts: LossOptions, bias: torch.Tensor | None = None,
+                           rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every row's target logit [N] fp32 (NaN where the target is not a column of this weight)
+        in one call before a step's chunks, the value ``row_stats`` would compute for the row;
+        with ``rows`` (int64 [N]) row i is hidden[rows[i]]. None where ``row_stats`` finds the
+        target logits itself, chunk by chunk."""
+
     def factored_gradient(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
         """Whether training chunks take the factored gradient (``FactoredBackend``)."""
 

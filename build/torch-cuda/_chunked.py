@@ -539,6 +539,13 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     if factored and shard is None and backend.reference_in_place():
         references = backend.row_reference(hidden, weight, slice_targets, opts,
                                            rows=None if row_order is None else row_order.order)
+    # Without the factored gradient, every row's target logit in one launch before the chunks,
+    # where the backend's statistics sweeps leave it to a product: a launch a chunk fills as few
+    # programs and takes as long (perf notes, run 55).
+    target_logits = None
+    if not factored and n_rows > 0:
+        target_logits = backend.step_target_logits(hidden, weight, slice_targets, opts, bias,
+                                                   rows=None if row_order is None else row_order.order)
     computed = 0
     for start, end in _spans(n_rows, chunk, row_order, first, row_block, sweep_tiles):
         computed = end
@@ -567,7 +574,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, (target_grad, targets_c))
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
-        row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts) if factored else (None, None)
+        if factored:
+            row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
+        else:
+            row_ref, target_logit = None, None if target_logits is None else target_logits[start:end]
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
                                          loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
                                          target_logit=target_logit, return_metrics=return_metrics)

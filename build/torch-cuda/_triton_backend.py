@@ -334,8 +334,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         tile_array(True), tile_array(True), tile_array(return_metrics),
         tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
     )
-    if (row_ref is None) != (target_logit is None):  # mode 3 writes no target logit: it must come along
-        raise ValueError("row_stats takes row_ref and target_logit together (both from row_reference)")
+    if row_ref is not None and target_logit is None:  # mode 3 writes no target logit: it must come along
+        raise ValueError("row_stats takes row_ref with its target_logit (both from row_reference)")
     pick_target = target_logit is None and not _target_logit_by_product(hidden)
     if pick_target:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), device=device, dtype=acc_dtype)
@@ -610,6 +610,19 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         num_warps=4,
     )
     return out, target_logit
+
+
+def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                       bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every row's target logit [N] fp32 (NaN where the target is not a column here) from one
+    ``_picked_logit_dot_kernel`` launch, where the statistics sweeps leave the target logit to it
+    (``_target_logit_by_product``) and FLCE_PICK_ONCE is on; with ``rows`` row i is hidden[rows[i]].
+    A launch takes about 40 us on the H200 whatever its rows, as long as they fill at most one
+    round of programs: a forward's two chunks of a Llama-2 step took 0.066 ms of them (perf
+    notes, runs 23 and 40)."""
+    if not (reference_in_place() and _target_logit_by_product(hidden)):
+        return None
+    return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
 
 
 def reference_in_place() -> bool:

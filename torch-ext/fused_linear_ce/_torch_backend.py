@@ -203,6 +203,11 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, targets[order].long(), count, loss_grad
 
 
+def step_target_logits(hidden, weight, targets, opts: LossOptions, bias=None, rows=None) -> None:
+    """None: ``row_stats`` picks each chunk's target logits from the chunk's own logits."""
+    return None
+
+
 def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
     """Never here: this backend's buffer holds fp32 logits, turned into grad logits."""
     return False
