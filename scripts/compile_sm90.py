@@ -3,7 +3,7 @@ copy engine (TMA), through Triton's own compiler, so that a kernel the interpret
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
 the tensor-core target logit, the row scaling, grad_weight's target rows, the target counts and
-flags, the targets' range check) with their flags on and off and at their launches' block sizes, marked "wgmma" where
+flags, the targets' range check, the rows' order) with their flags on and off and at their launches' block sizes, marked "wgmma" where
 their PTX has Hopper's tensor-core products, with the bytes ptxas spills to local memory
 ("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
 
@@ -80,7 +80,9 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_count_targets_kernel": dict(BLOCK=1024),
     "_take_out_flags_kernel": dict(BLOCK=1024),
     "_targets_out_of_range_kernel": dict(BLOCK=1024),
+    "_order_rows_kernel": dict(BLOCK=8192),
 }
+ROW_WARPS = {"_order_rows_kernel": 16}  # launches other than the default 4 warps
 
 
 def compile_row_kernel(name: str, flags_on: bool):
@@ -96,7 +98,7 @@ def compile_row_kernel(name: str, flags_on: bool):
         else:
             signature[param_name] = "fp32" if param_name in ROW_FLOATS else "i32"
     return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
+                          options=dict(num_warps=ROW_WARPS.get(name, 4)))
 
 
 def spill_bytes(kernel) -> int:

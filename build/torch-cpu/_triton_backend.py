@@ -571,8 +571,11 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     ordered_targets = torch.empty(n_rows, device=device, dtype=torch.int64)
     count = torch.empty(1, device=device, dtype=torch.int64)
     loss_grad = torch.empty(n_rows, device=device, dtype=torch.float32)
+    # One program walks the rows block by block, each block's scan waiting for the last one's
+    # count: blocks of up to 8192 rows (16 warps) take a step's rows in one or a few.
+    block = 64 if interpreting() else min(8192, max(1024, triton.next_power_of_2(n_rows)))
     K._order_rows_kernel[(1,)](targets, order, ordered_targets, count, loss_grad, n_rows, int(ignore_index),
-                               MEAN=mean, BLOCK=64 if interpreting() else 1024)
+                               MEAN=mean, BLOCK=block, num_warps=max(4, block // 512))
     return order, ordered_targets, count, loss_grad
 
 
