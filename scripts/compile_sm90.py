@@ -5,8 +5,8 @@ GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any 
 the tensor-core target logit, the row scaling, grad_weight's target rows, the target counts and
 flags, the targets' range check, the rows' order) with their flags on and off and at their
 launches' block sizes, marked "wgmma" where their PTX has Hopper's tensor-core products, with
-the bytes ptxas spills to local memory
-("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
+the bytes ptxas spills to local memory ("spills=N"); with ``--gluon`` also the forward's
+statistics kernel in Gluon.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
         [--gluon]
