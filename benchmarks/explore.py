@@ -167,6 +167,8 @@ def main():
     parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
     parser.add_argument("--gemm-rows", default="", help="','-separated chunk sizes for time_gemms")
     parser.add_argument("--softcap", type=float, default=None, help="a logit softcap (Gemma-2's is 30)")
+    parser.add_argument("--inputs", default="lm", choices=["lm", "uniform"],
+                        help="bench.py's kinds of inputs: LM-like (peaked, Zipf-skewed) or uniform")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.softcap is not None:
@@ -181,7 +183,7 @@ def main():
                 records.append({"row": row, **rec})
     for row in args.rows.split(","):
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
-        hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
+        hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), args.inputs)
         ref = reference(hidden, weight, targets, softcap=args.softcap)
         flops = 2 * n_tokens * vocab_size * hidden_size
         for variant in args.variants.split(";"):
