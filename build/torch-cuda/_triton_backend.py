@@ -620,10 +620,10 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     """Every row's target logit [N] fp32 (NaN where the target is not a column here) from one
     ``_picked_logit_dot_kernel`` launch, where the statistics sweeps leave the target logit to it
     (``_target_logit_by_product``) and FLCE_PICK_ONCE is on; with ``rows`` row i is hidden[rows[i]].
-    A launch takes about 40 us on the H200 whatever its rows, as long as they fill at most one
-    round of programs: a forward's two chunks of a Llama-2 step took 0.066 ms of them (perf
-    notes, runs 23 and 40)."""
-    if not (reference_in_place() and _target_logit_by_product(hidden)):
+    A launch of 64-row programs takes about as long for any rows up to a round of them, so one
+    launch instead of one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3
+    one on the H200 (perf notes, run 55)."""
+    if env_int("FLCE_PICK_ONCE", 1) == 0 or not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
 
