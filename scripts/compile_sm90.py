@@ -67,17 +67,19 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
 ROW_POINTERS = {"targets_ptr": "*i64", "rows_ptr": "*i64", "tile_argmax_ptr": "*i32", "row_argmax_ptr": "*i64",
                 "correct_ptr": "*i32", "buffer_ptr": "*bf16", "hidden_ptr": "*bf16", "scaled_hidden_ptr": "*bf16",
                 "weight_ptr": "*bf16", "dst_rows_ptr": "*i64", "dst_ptr": "*bf16", "acc_ptr": "*bf16",
-                "sorted_targets_ptr": "*i32", "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
-                "counts_ptr": "*i32", "flags_ptr": "*i8", "flag_ptr": "*i32"}
+                "perm_ptr": "*i64", "hidden_rows_ptr": "*i64",
+                "counts_ptr": "*i32", "flags_ptr": "*i8", "flag_ptr": "*i32", "sorted_keys_ptr": "*i16",
+                "keys_ptr": "*i16"}
 ROW_FLOATS = ("logit_scale", "softcap", "inv_vocab_size", "label_smoothing", "z_loss_scale")
 ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are compiled off and on)
     "_combine_tiles_kernel": dict(BLOCK_R=16, BLOCK_T=128, ACC_DTYPE=tl.float32),
     "_finalize_rows_kernel": dict(BLOCK_R=128),
     "_row_factors_kernel": dict(BLOCK_R=16, BLOCK_V=BLOCK_V),
-    "_factored_rows_kernel": dict(BLOCK_R=8, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=256),
+    "_factored_rows_kernel": dict(BLOCK_R=2, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=1024),
     "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
     "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
-    "_target_rows_kernel": dict(BLOCK_Q=4, BLOCK_H=1024),
+    "_target_segments_kernel": dict(BLOCK_P=4, BLOCK_H=1024),
+    "_target_keys_kernel": dict(BLOCK=1024),
     "_count_targets_kernel": dict(BLOCK=1024),
     "_take_out_flags_kernel": dict(BLOCK=1024),
     "_targets_out_of_range_kernel": dict(BLOCK=1024),

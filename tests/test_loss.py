@@ -611,21 +611,25 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
 
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_rows", [False, True])
-def test_add_target_rows_sums_each_targets_rows_once(flce, acc_dtype, with_rows):
+@pytest.mark.parametrize("n_rows,vocab", [(40, 12), (300, 40000)], ids=["int16-keys", "int32-keys-strided"])
+def test_add_target_rows_sums_each_targets_rows_once(flce, acc_dtype, with_rows, n_rows, vocab):
     """grad_weight's target terms: acc[t] += sum of c_i h_i over the rows with target t, with
-    repeated targets (a frequent token; nine and eight rows), targets out of range (ignored, or in another rank's
-    slice: no term) and rows of hidden picked by an order; against float64, in one rounding to
-    acc's dtype (fp16: 2^-11 of the entry, and the fp32 sum's 2^-24 per term; fp32: the sum's),
-    and bitwise the same on a second call (a fixed order of summation)."""
+    repeated targets (a frequent token; nine and eight rows), targets out of range (ignored, in another rank's
+    slice, or 2^16 + 3, which int16 keys would wrap onto 3: no term), rows without a term (c = 0)
+    and rows of hidden picked by an order; against float64, in one rounding to acc's dtype (fp16:
+    2^-11 of the entry, and the fp32 sum's 2^-24 per term; fp32: the sum's), and bitwise the same
+    on a second call (a fixed order of summation). V < 2^15 sorts int16 keys, 40000 int32 ones;
+    300 rows are more blocks of 4 positions than the interpreter's programs (a grid-stride loop)."""
     backend = submodule(flce, "_triton_backend")
     gen = torch.Generator().manual_seed(5)
-    n_rows, vocab, hidden_size = 40, 12, 48
+    hidden_size = 48
     hidden = torch.randn(n_rows + 7, hidden_size, generator=gen).to(DEVICE)
     targets = torch.randint(0, vocab, (n_rows,), generator=gen)
-    targets[:9] = 3  # nine rows share a target (more than two steps of the kernel's 4 rows)
-    targets[20:28] = vocab - 1  # eight, two whole steps: the next one finds another target
-    targets[10], targets[11] = -100, vocab + 2
+    targets[:9] = 3  # nine rows share a target (segments of several steps)
+    targets[20:28] = vocab - 1  # eight
+    targets[10], targets[11], targets[12] = -100, vocab + 2, 2**16 + 3
     target_grad = torch.randn(n_rows, generator=gen)
+    target_grad[30:33] = 0.0  # rows without a term
     hidden_rows = torch.randperm(n_rows + 7, generator=gen)[:n_rows] if with_rows else None
     acc = torch.randn(vocab, hidden_size, generator=gen).to(device=DEVICE, dtype=acc_dtype)
     rows_of_hidden = hidden_rows if with_rows else torch.arange(n_rows)
@@ -646,6 +650,26 @@ def test_add_target_rows_sums_each_targets_rows_once(flce, acc_dtype, with_rows)
     untouched = torch.ones(vocab, dtype=torch.bool)
     untouched[targets[(targets >= 0) & (targets < vocab)]] = False
     assert torch.equal(outputs[0].cpu()[untouched], acc.cpu()[untouched])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a 4.3 GB grad_weight: on the GPU only")
+def test_add_target_rows_reaches_entries_past_2_31(flce):
+    """A grad_weight whose V * H passes 2^31 (H = 8192 and a 262k vocabulary; under int32 offsets
+    the last rows wrap to addresses before the tensor): the terms land in their rows, in bf16's
+    one rounding of the fp32 sum (2^-8 relative), and nowhere else."""
+    backend = submodule(flce, "_triton_backend")
+    gen = torch.Generator().manual_seed(6)
+    hidden_size = 8192
+    vocab = 2**31 // hidden_size + 8
+    hidden = torch.randn(3, hidden_size, generator=gen)
+    targets = torch.tensor([vocab - 1, 5, vocab - 1])
+    target_grad = torch.randn(3, generator=gen)
+    acc = torch.zeros(vocab, hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    backend.add_target_rows(acc, target_grad.to(DEVICE), targets.to(DEVICE), hidden.to(DEVICE))
+    terms = target_grad.double()[:, None] * hidden.double()
+    for row, expected in ((vocab - 1, terms[0] + terms[2]), (5, terms[1])):
+        assert bool(((acc[row].cpu().double() - expected).abs() <= 2.0 ** -8 * expected.abs() + 1e-30).all())
+    assert int(acc.count_nonzero()) == int(terms[1].count_nonzero() + (terms[0] + terms[2]).count_nonzero())
 
 
 @pytest.mark.parametrize("options", [dict(), dict(bias=True), dict(softcap=4.0)], ids=["plain", "bias", "softcap"])
@@ -775,7 +799,7 @@ def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_targ
 def test_order_rows_is_a_stable_partition(flce, backend_name, mean, n_rows):
     """order_rows puts the rows with a loss first, each group in row order, with the ordered
     targets, their count and d loss / d loss_i (1, or 1 / count for a mean; 0 after the count).
-    On a GPU 1000 rows are one block of the kernel, 20000 three of 8192."""
+    On a GPU 1000 rows are one program of the kernel, 20000 twenty (and three when interpreting)."""
     gen = torch.Generator().manual_seed(5)
     targets = torch.randint(0, 50, (n_rows,), generator=gen)
     targets[torch.rand(n_rows, generator=gen) < 0.3] = 7  # ignore_index 7, also a valid class id elsewhere

@@ -853,35 +853,37 @@ def _order_rows_kernel(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """A stable partition of the rows, those with a loss first, in one program (a launch
-    instead of a sort's several: it sits before the first logit sweep)."""
-    count = 0
+    """A stable partition of the rows, those with a loss first, a program per BLOCK rows (a launch
+    instead of a sort's several: it sits before the first logit sweep). Each program counts the
+    rows with a loss before its block and in all (every program reads every target, from L2 after
+    the first), then places its block's rows: those with a loss after the ones before them, the
+    others after all rows with a loss and the others before them."""
+    block_start = tl.program_id(0) * BLOCK
+    kept_before = tl.zeros([BLOCK], dtype=tl.int32)
+    kept = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, n_rows, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < n_rows
-        targets = tl.load(targets_ptr + offs, mask=mask, other=0)
-        keep = mask & (targets != ignore_index)
-        position = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        tl.store(order_ptr + position, offs.to(tl.int64), mask=keep)
-        tl.store(ordered_targets_ptr + position, targets.to(tl.int64), mask=keep)
-        count += tl.sum(keep.to(tl.int32), axis=0)
-    num_with_loss = count
-    for start in range(0, n_rows, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n_rows
-        targets = tl.load(targets_ptr + offs, mask=mask, other=0)
-        drop = mask & (targets == ignore_index)
-        position = count + tl.cumsum(drop.to(tl.int32), axis=0) - 1
-        tl.store(order_ptr + position, offs.to(tl.int64), mask=drop)
-        tl.store(ordered_targets_ptr + position, targets.to(tl.int64), mask=drop)
-        count += tl.sum(drop.to(tl.int32), axis=0)
-    tl.store(count_ptr, num_with_loss.to(tl.int64))
+        targets = tl.load(targets_ptr + offs, mask=offs < n_rows, other=ignore_index)
+        has_loss = (targets != ignore_index).to(tl.int32)
+        kept += has_loss
+        kept_before += tl.where(start < block_start, has_loss, 0)
+    kept = tl.sum(kept, axis=0)
+    kept_before = tl.sum(kept_before, axis=0)
+    offs = block_start + tl.arange(0, BLOCK)
+    mask = offs < n_rows
+    targets = tl.load(targets_ptr + offs, mask=mask, other=ignore_index)
+    keep = mask & (targets != ignore_index)
+    drop = mask & (targets == ignore_index)
+    position = tl.where(keep, kept_before + tl.cumsum(keep.to(tl.int32), axis=0) - 1,
+                        kept + (block_start - kept_before) + tl.cumsum(drop.to(tl.int32), axis=0) - 1)
+    tl.store(order_ptr + position, offs.to(tl.int64), mask=mask)
+    tl.store(ordered_targets_ptr + position, targets.to(tl.int64), mask=mask)
+    if tl.program_id(0) == 0:
+        tl.store(count_ptr, kept.to(tl.int64))
     row_grad = 1.0
     if MEAN:
-        row_grad = 1.0 / num_with_loss.to(tl.float32)
-    for start in range(0, n_rows, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(loss_grad_ptr + offs, tl.where(offs < num_with_loss, row_grad, 0.0), mask=offs < n_rows)
+        row_grad = 1.0 / kept.to(tl.float32)
+    tl.store(loss_grad_ptr + offs, tl.where(offs < kept, row_grad, 0.0), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -1092,10 +1094,29 @@ def _take_out_flags_kernel(
     tl.store(flags_ptr + offs, tl.where(counted, flags, 0).to(tl.int8), mask=offs < n_rows)
 
 
+@triton.jit
+def _target_keys_kernel(
+    targets_ptr,  # [n_rows] int
+    target_grad_ptr,  # [n_rows] fp32 c of each row (0: no term)
+    keys_ptr,  # [n_rows] int16 or int32 out: the target where the row has a term, else V
+    n_rows,
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
+    """The sort keys of ``_target_segments_kernel``: each row's target where it has a term (c != 0
+    and a column of this weight), V elsewhere, so that every key lies in [0, V]."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_rows
+    targets = tl.load(targets_ptr + offs, mask=mask, other=-1)
+    target_grad = tl.load(target_grad_ptr + offs, mask=mask, other=0.0)
+    has_term = (target_grad != 0) & (targets >= 0) & (targets < vocab_size)
+    tl.store(keys_ptr + offs, tl.where(has_term, targets, vocab_size).to(keys_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
-def _target_rows_kernel(
+def _target_segments_kernel(
     acc_ptr,  # [V, H] grad_weight's sum (any float dtype, unit column stride), updated in place
-    sorted_targets_ptr,  # [n_rows] int: the rows' targets sorted (stably), V where a row has none
+    sorted_keys_ptr,  # [n_rows] int16 or int32: ``_target_keys_kernel``'s keys sorted (stably)
     perm_ptr,  # [n_rows] int64: the row of each sorted position
     target_grad_ptr,  # [n_rows] fp32 c of each row
     hidden_ptr,  # [*, H]
@@ -1107,37 +1128,45 @@ def _target_rows_kernel(
     stride_hn,
     stride_hk,
     HAS_ROWS: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """grad_weight's target terms: acc[t] += sum over the rows i with target t of c_i h_i, for
-    columns BLOCK_H x program_id(1). The first sorted position of each target sums its rows in
-    fp32, BLOCK_Q at a time in the sorted order (deterministic) up to the first position of
-    another target, and the sum meets acc's entry in one rounding."""
-    pos = tl.program_id(0)
-    target = tl.load(sorted_targets_ptr + pos)
-    previous = tl.load(sorted_targets_ptr + pos - 1, mask=pos > 0, other=-1)
-    if (target != previous) & (target >= 0) & (target < vocab_size):
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = offs_h < hidden_size
-        total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        first = pos
-        more = pos >= 0  # (true) while the last BLOCK_Q positions were all the target's
-        while more:
-            offs_q = first + tl.arange(0, BLOCK_Q)
-            in_segment = (offs_q < n_rows) & (tl.load(sorted_targets_ptr + offs_q, mask=offs_q < n_rows) == target)
-            more = tl.sum(in_segment.to(tl.int32), axis=0) == BLOCK_Q
-            first += BLOCK_Q
-            rows = tl.load(perm_ptr + offs_q, mask=in_segment, other=0)
+    columns BLOCK_H x program_id(1). Each program takes BLOCK_P sorted positions at a time
+    (grid-stride), and stops at the first block whose keys are all V: past it no row has a term.
+    The first position of each target's segment sums its rows in fp32, one a step in the sorted
+    order (deterministic), while the BLOCK_P segments of a block go in parallel, and the sum meets
+    acc's entry in one rounding. The next key is loaded with each row, so that a segment of one
+    row takes one step."""
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden_size
+    start = tl.program_id(0) * BLOCK_P
+    keys = tl.load(sorted_keys_ptr + start + offs_p, mask=start + offs_p < n_rows, other=vocab_size)
+    while tl.min(keys, axis=0) < vocab_size:
+        positions = start + offs_p
+        previous = tl.load(sorted_keys_ptr + positions - 1, mask=(positions > 0) & (positions < n_rows), other=-1)
+        leader = (keys != previous) & (keys < vocab_size)
+        acc_ptrs = acc_ptr + keys.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]  # V * H can pass 2^31
+        acc_mask = leader[:, None] & mask_h[None, :]
+        acc = tl.load(acc_ptrs, mask=acc_mask, other=0.0).to(tl.float32)
+        total = tl.zeros([BLOCK_P, BLOCK_H], dtype=tl.float32)
+        in_segment = leader
+        while tl.max(in_segment.to(tl.int32), axis=0) > 0:
+            rows = tl.load(perm_ptr + positions, mask=in_segment, other=0)
+            following = tl.load(sorted_keys_ptr + positions + 1, mask=in_segment & (positions + 1 < n_rows),
+                                other=vocab_size)
             target_grad = tl.load(target_grad_ptr + rows, mask=in_segment, other=0.0)
             if HAS_ROWS:
                 rows = tl.load(hidden_rows_ptr + rows, mask=in_segment, other=0)
             h = tl.load(hidden_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hk,
-                        mask=in_segment[:, None] & mask[None, :], other=0.0)
-            total += tl.sum(target_grad[:, None] * h.to(tl.float32), axis=0)
-        acc_ptrs = acc_ptr + target * stride_acc + offs_h
-        acc = tl.load(acc_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(acc_ptrs, (acc + total).to(acc_ptr.dtype.element_ty), mask=mask)
+                        mask=in_segment[:, None] & mask_h[None, :], other=0.0)
+            total += target_grad[:, None] * h.to(tl.float32)
+            in_segment = in_segment & (following == keys)
+            positions += 1
+        tl.store(acc_ptrs, (acc + total).to(acc_ptr.dtype.element_ty), mask=acc_mask)
+        start += tl.num_programs(0) * BLOCK_P
+        keys = tl.load(sorted_keys_ptr + start + offs_p, mask=start + offs_p < n_rows, other=vocab_size)
 
 
 @triton.jit
