@@ -2,11 +2,11 @@
 copy engine (TMA), through Triton's own compiler, so that a kernel the interpreter runs but the
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
-the tensor-core target logit, the row scaling, grad_weight's target rows, the target counts and
-flags, the targets' range check, the rows' order) with their flags on and off and at their
-launches' block sizes, marked "wgmma" where their PTX has Hopper's tensor-core products, with
-the bytes ptxas spills to local memory ("spills=N"); with ``--gluon`` also the forward's
-statistics kernel in Gluon.
+the tensor-core target logit, the row scaling, grad_weight's target segments and their keys, the
+target counts and flags, the targets' range check, the rows' order) with their flags on and off,
+at their launches' block sizes and specializations (unit strides, divisibility), marked "wgmma"
+where their PTX has Hopper's tensor-core products, with the bytes ptxas spills to local memory
+("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
         [--gluon]
@@ -83,25 +83,38 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_count_targets_kernel": dict(BLOCK=1024),
     "_take_out_flags_kernel": dict(BLOCK=1024),
     "_targets_out_of_range_kernel": dict(BLOCK=1024),
-    "_order_rows_kernel": dict(BLOCK=8192),
+    "_order_rows_kernel": dict(BLOCK=4096),
 }
-ROW_WARPS = {"_order_rows_kernel": 16}  # launches other than the default 4 warps
+ROW_WARPS = {"_order_rows_kernel": 8}  # launches other than the default 4 warps
+ROW_STAGES = {"_picked_logit_dot_kernel": 6}  # launches other than the default 3 stages
+# What a launch on contiguous tensors of the main heads specializes: unit column strides become
+# the constant 1, and pointers, row strides and sizes divisible by 16 get that hint, without
+# which a compile has no vector loads and no cp.async pipelining.
+UNIT_STRIDES = ("stride_hk", "stride_wk", "stride_src_col")
+DIVISIBLE = ("hidden_size", "vocab_size", "n_cols")
 
 
 def compile_row_kernel(name: str, flags_on: bool):
-    """A per-row kernel compiled for sm_90, its boolean constexprs all ``flags_on``."""
+    """A per-row kernel compiled for sm_90 as its launches on contiguous main-head tensors
+    compile it, its boolean constexprs all ``flags_on``."""
     fn = getattr(K, name)
-    signature, constants = {}, dict(ROW_KERNELS[name])
-    for param_name, param in inspect.signature(fn.fn).parameters.items():
+    signature, constants, hints = {}, dict(ROW_KERNELS[name]), {}
+    for index, (param_name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
         if param_name.endswith("_ptr"):
             signature[param_name] = ROW_POINTERS.get(param_name, "*fp32")
+            hints[(index,)] = [["tt.divisibility", 16]]
         elif param_name in constants or param.annotation is tl.constexpr or param_name.isupper():
             signature[param_name] = "constexpr"
             constants.setdefault(param_name, flags_on)
+        elif param_name in UNIT_STRIDES:
+            signature[param_name] = "constexpr"
+            constants[param_name] = 1
         else:
             signature[param_name] = "fp32" if param_name in ROW_FLOATS else "i32"
-    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=ROW_WARPS.get(name, 4)))
+            if param_name.startswith("stride") or param_name in DIVISIBLE:
+                hints[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constants, hints), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=ROW_WARPS.get(name, 4), num_stages=ROW_STAGES.get(name, 3)))
 
 
 def spill_bytes(kernel) -> int:

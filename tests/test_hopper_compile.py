@@ -44,10 +44,11 @@ def test_the_row_kernels_compile_for_sm90():
     """The per-row kernels (merge, finalize, factors, the fused factored pass, the tensor-core
     target logit, the row scaling with its target terms, grad_weight's target segments and
     their sort keys, the target counts and flags, the range check, the rows' order), flags off
-    and on, at their launches' block sizes (the order's at 8192 rows and 16 warps); the target logit's product runs on
-    wgmma, as the logit kernel's does (its rounding is what it must share), and the memory-bound
-    passes do not; none spills registers to local memory (``_row_factors_kernel`` did, 5 KB, at
-    64 rows a program)."""
+    and on, at their launches' block sizes (the order's largest: 4096 rows at 8 warps) and with
+    their launches' unit strides and divisibility; the target logit's product runs on wgmma, as
+    the logit kernel's does (its rounding is what it must share), and the memory-bound passes
+    do not; none spills registers to local memory (``_row_factors_kernel`` did, 5 KB, at 64 rows
+    a program)."""
     run = _compile("--modes", "0", "--row-kernels")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(": ok ") == 1 + 2 * 12

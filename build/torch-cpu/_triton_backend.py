@@ -575,10 +575,11 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     count = torch.empty(1, device=device, dtype=torch.int64)
     loss_grad = torch.empty(n_rows, device=device, dtype=torch.float32)
     # Each program reads all N targets: blocks grow with N to keep the programs at 64 or fewer
-    # (up to half a million rows; a few when interpreting). At N = 8192, eight programs take
-    # 0.005 ms on the H200, one walking the blocks in turn took 0.020 (perf notes, run 56).
+    # (up to 262144 rows; a few when interpreting), to 4096 rows at 8 warps (8192 at 16 spill
+    # on sm_90 in Triton 3.9). At N = 8192, eight programs take 0.005 ms on the H200, one
+    # walking the blocks in turn took 0.020 (perf notes, run 56).
     parts = 4 if interpreting() else 64
-    block = min(8192, max(64 if interpreting() else 1024, triton.next_power_of_2(triton.cdiv(n_rows, parts))))
+    block = min(4096, max(64 if interpreting() else 1024, triton.next_power_of_2(triton.cdiv(n_rows, parts))))
     K._order_rows_kernel[(max(1, triton.cdiv(n_rows, block)),)](
         targets, order, ordered_targets, count, loss_grad, n_rows, int(ignore_index), MEAN=mean, BLOCK=block,
         num_warps=max(4, block // 512))
