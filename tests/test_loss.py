@@ -793,13 +793,14 @@ def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_targ
     torch.testing.assert_close(target_logit.cpu().double(), expected_target, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("n_rows", [1000, 20000])
+@pytest.mark.parametrize("n_rows", [1000, 20000, 200000])
 @pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])
 @pytest.mark.parametrize("mean", [True, False])
 def test_order_rows_is_a_stable_partition(flce, backend_name, mean, n_rows):
     """order_rows puts the rows with a loss first, each group in row order, with the ordered
     targets, their count and d loss / d loss_i (1, or 1 / count for a mean; 0 after the count).
-    On a GPU 1000 rows are one program of the kernel, 20000 twenty (and five when interpreting)."""
+    On a GPU 1000 rows are one program of the kernel, 20000 twenty (five when interpreting) and
+    200000 forty-nine of the largest block, 4096 rows at 8 warps (also when interpreting)."""
     gen = torch.Generator().manual_seed(5)
     targets = torch.randint(0, 50, (n_rows,), generator=gen)
     targets[torch.rand(n_rows, generator=gen) < 0.3] = 7  # ignore_index 7, also a valid class id elsewhere
