@@ -3,10 +3,11 @@ copy engine (TMA), through Triton's own compiler, so that a kernel the interpret
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
 the tensor-core target logit, the row scaling, grad_weight's target segments and their keys, the
-target counts and flags, the targets' range check, the rows' order) with their flags on and off,
-at their launches' block sizes and specializations (unit strides, divisibility), marked "wgmma"
-where their PTX has Hopper's tensor-core products, with the bytes ptxas spills to local memory
-("spills=N"); with ``--gluon`` also the forward's statistics kernel in Gluon.
+target counts and flags, the targets' range check, the rows' order, the skipped rows' zeros) with
+their flags on and off, at their launches' block sizes and specializations (unit strides,
+divisibility), marked "wgmma" where their PTX has Hopper's tensor-core products, with the bytes
+ptxas spills to local memory ("spills=N"); with ``--gluon`` also the forward's statistics kernel
+in Gluon.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
         [--gluon]
@@ -84,6 +85,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_take_out_flags_kernel": dict(BLOCK=1024),
     "_targets_out_of_range_kernel": dict(BLOCK=1024),
     "_order_rows_kernel": dict(BLOCK=4096),
+    "_zero_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
 }
 ROW_WARPS = {"_order_rows_kernel": 8}  # launches other than the default 4 warps
 ROW_STAGES = {"_picked_logit_dot_kernel": 6}  # launches other than the default 3 stages

@@ -43,7 +43,8 @@ def test_a_combination_the_launches_never_make_is_refused():
 def test_the_row_kernels_compile_for_sm90():
     """The per-row kernels (merge, finalize, factors, the fused factored pass, the tensor-core
     target logit, the row scaling with its target terms, grad_weight's target segments and
-    their sort keys, the target counts and flags, the range check, the rows' order), flags off
+    their sort keys, the target counts and flags, the range check, the rows' order, the skipped
+    rows' zeros), flags off
     and on, at their launches' block sizes (the order's largest: 4096 rows at 8 warps) and with
     their launches' unit strides and divisibility; the target logit's product runs on wgmma, as
     the logit kernel's does (its rounding is what it must share), and the memory-bound passes
@@ -51,7 +52,7 @@ def test_the_row_kernels_compile_for_sm90():
     a program)."""
     run = _compile("--modes", "0", "--row-kernels")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": ok ") == 1 + 2 * 12
+    assert run.stdout.count(": ok ") == 1 + 2 * 13
     lines = [line for line in run.stdout.splitlines() if line.startswith("_")]
     assert [" wgmma " in line for line in lines] == [name.startswith("_picked_logit_dot") for name in lines]
     assert [line.rsplit(" ", 1)[-1] for line in lines] == ["spills=0"] * len(lines)

@@ -609,6 +609,23 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
     assert float((row_share[out | ~local] - 1).abs().max()) <= 1e-6
 
 
+@pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_zeroes_the_given_rows_only(flce, backend_name, dtype):
+    """zero_rows writes exact zeros to the given rows (unordered, a partial block of 16 rows and
+    of the columns) of a strided view and leaves every other entry, and the columns past the
+    view's, as they were (compared bit for bit: nothing is computed)."""
+    device = DEVICE if backend_name == "_triton_backend" else "cpu"
+    gen = torch.Generator().manual_seed(9)
+    full = (torch.rand(50, 300, generator=gen) + 0.5).to(dtype).to(device)
+    dst = full[:, :290]  # a row stride past the columns
+    rows = torch.randperm(50, generator=gen)[:21].to(device)
+    expected = full.clone()
+    expected[rows.cpu().tolist(), :290] = 0
+    submodule(flce, backend_name).zero_rows(dst, rows)
+    assert torch.equal(full, expected)
+
+
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_rows", [False, True])
 @pytest.mark.parametrize("n_rows,vocab", [(40, 12), (300, 40000)], ids=["int16-keys", "int32-keys-strided"])

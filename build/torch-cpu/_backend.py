@@ -83,6 +83,9 @@ class Backend(Protocol):
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> None:
         """x *= scale in place (scale: a one-element fp32 tensor)."""
 
+    def zero_rows(self, dst: torch.Tensor, rows: torch.Tensor) -> None:
+        """dst[rows] = 0 in place (dst [*, C] with unit column stride, rows int64 [n])."""
+
 
 @runtime_checkable
 class FactoredBackend(Backend, Protocol):

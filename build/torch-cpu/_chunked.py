@@ -330,7 +330,7 @@ class _Gradients:
             if rows is not None:
                 self.grad_hidden.index_copy_(0, rows, block)
         if self.grad_hidden is not None and self.row_order is not None and self.computed < self.row_order.n_rows:
-            self.grad_hidden.index_fill_(0, self.row_order.order[self.computed:], 0)
+            backend.zero_rows(self.grad_hidden, self.row_order.order[self.computed:])
         grad_weight = self.grad_weight
         if grad_weight is not None and self.target_grads:
             rows = None if self.row_order is None or self.computed <= self.row_order.in_place \

@@ -1037,6 +1037,27 @@ def _scale_rows_kernel(
     tl.store(dst_ptr + dst_rows[:, None] * stride_dst + offs_c[None, :], value.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _zero_rows_kernel(
+    dst_ptr,  # [*, n_cols], unit column stride
+    rows_ptr,  # [n_rows] int64 rows of dst
+    n_rows,
+    n_cols,
+    stride_dst,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dst[rows[i]] = 0 for i < n_rows: a program per BLOCK_R rows x BLOCK_C columns, in vector
+    stores (the grad_hidden rows of the rows a step skips)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = offs_r < n_rows
+    rows = tl.load(rows_ptr + offs_r, mask=row_mask, other=0)
+    zeros = tl.zeros((BLOCK_R, BLOCK_C), dtype=dst_ptr.dtype.element_ty)
+    tl.store(dst_ptr + rows[:, None] * stride_dst + offs_c[None, :], zeros,
+             mask=row_mask[:, None] & (offs_c < n_cols)[None, :])
+
+
 @triton.jit
 def _targets_out_of_range_kernel(
     targets_ptr,  # [n_rows] int

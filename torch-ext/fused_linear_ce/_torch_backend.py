@@ -233,6 +233,11 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
                           class_weight, smooth_grad)
 
 
+def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst[rows] = 0 in place (rows int64 [n])."""
+    dst.index_fill_(0, rows, 0)
+
+
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
     """x *= scale in place."""
     x.mul_(scale)
