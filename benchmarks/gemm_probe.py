@@ -92,6 +92,7 @@ def make_variants(a, b, c) -> dict:
         "cublas beta=0 transposed": lambda: torch.mm(b.t(), a, out=c.t()),
         "cublasLt beta=1": lambda: lt(lambda: c.addmm_(a.t(), b)),
         "cublasLt beta=1 transposed": lambda: lt(lambda: c.t().addmm_(b.t(), a)),
+        "cublas beta=1 fp32 reductions": lambda: fp32_reductions(lambda: c.addmm_(a.t(), b)),
     }
     for cfg in TRITON_CONFIGS:
         flags = (" early" if cfg[5] else "") + (" tma-load" if cfg[6] else "") + (" tma-store" if cfg[7] else "")
@@ -108,6 +109,20 @@ def lt(fn):
         return fn()
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
+
+
+def fp32_reductions(fn):
+    """``fn()`` with cuBLAS's reduced-precision bf16 reductions off (torch's flag, on by default):
+    whether its beta = 1 epilogue then rounds A^T B + C once, as the Triton product does, rather
+    than twice (run 57's probe: a maximum error of one bf16 step where the Triton product's is
+    half of one)."""
+    flags = torch.backends.cuda.matmul
+    previous = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        return fn()
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = previous
 
 
 def main():
