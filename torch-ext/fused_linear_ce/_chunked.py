@@ -300,11 +300,13 @@ class _Gradients:
         self._add_weight_chunk(grad_logits.to(rhs.dtype).t(), rhs)
 
     def _add_weight_chunk(self, lhs, rhs):
-        """grad_weight += lhs @ rhs. A 16-bit running sum is rounded once a chunk, so that its
-        error grows with the number of chunks; past ``group_size`` chunks the sum of each group
-        of chunks is added to an fp32 sum instead (``weight_sum``, V x H x 4 bytes whatever N),
-        and the 16-bit tensor restarts from the next chunk's product. The error is then that of
-        at most ``group_size`` chunks, for any number of rows."""
+        """grad_weight += lhs @ rhs. A 16-bit running sum is rounded every chunk (on the H200,
+        cuBLAS's beta = 1 result is off by up to a whole 16-bit step, as if it rounded lhs @ rhs
+        before adding the sum: perf notes, run 57), so that its error grows with the number of
+        chunks; past ``group_size`` chunks the sum of each group of chunks is added to an fp32 sum
+        instead (``weight_sum``, V x H x 4 bytes whatever N), and the 16-bit tensor restarts from
+        the next chunk's product. The error is then that of at most ``group_size`` chunks, for any
+        number of rows."""
         if self.grad_weight.dtype != lhs.dtype:  # an fp32 accumulator from the start (small heads)
             _addmm_f32_(self.grad_weight, lhs, rhs)
             return
