@@ -347,7 +347,10 @@ def summary(latest):
         f"peer in the same run ({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
         f"{_listing(step, '.3f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.3f', '×')} on "
         f"uniform ones); against the fastest forward ({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the "
-        f"forward runs at {_listing(fwd, '.2f', '×')} its speed.")
+        f"forward runs at {_listing(fwd, '.2f', '×')} its speed. These are one run's ratios: the card runs at its "
+        f"power cap, where a warmer card or another machine moves a compute-bound step more than a peer's, so "
+        f"repeated runs on another machine put the Llama-2 head's a few hundredths higher (docs/perf-notes.md, "
+        f"run 57).")
     fp32 = latest.get(("llama2-fp32", "lm", OURS))
     fp32_step_peer, fp32_step = fastest_peer(latest, "llama2-fp32", "lm", "step_ms")
     fp32_fwd_peer, fp32_fwd = fastest_peer(latest, "llama2-fp32", "lm", "fwd_ms")
