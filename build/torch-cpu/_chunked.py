@@ -579,7 +579,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         if factored:
             row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
         else:
-            row_ref, target_logit = None, None if target_logits is None else target_logits[start:end]
+            row_ref = None
+            target_logit = None if target_logits is None else target_logits[start:end]
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
                                          loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
                                          target_logit=target_logit, return_metrics=return_metrics)
