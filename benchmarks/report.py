@@ -54,6 +54,34 @@ def load():
     return runs, latest
 
 
+def no_ignored_rows(latest) -> list[str]:
+    """The main heads' rows with every target counted (bench.py's "-no-ignored" rows) measured."""
+    return [f"{row}-no-ignored" for row in MAIN_ROWS if (f"{row}-no-ignored", "lm", OURS) in latest]
+
+
+def parts_runs():
+    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("parts-*.json"))]
+
+
+PARTS_COLUMNS = ["step", "torch.compile", "cublas whole", "cublas chunks", "sweep chunks", "logits chunks",
+                 "logits whole", "grad_hidden chunks", "grad_hidden whole", "grad_weight chunks", "grad_weight whole"]
+
+
+def parts_section(runs):
+    """benchmarks/parts_probe.py's runs: ms of each variant back to back at the power cap (the mean of
+    its two laps), a table row per (run, head, inputs)."""
+    present = [c for c in PARTS_COLUMNS if any(r["variant"] == c for _, data in runs for r in data["results"])]
+    lines = ["| run | head, rows | " + " | ".join(present) + " |", "|---" * (len(present) + 2) + "|"]
+    for name, data in runs:
+        groups = {}
+        for r in data["results"]:
+            groups.setdefault((r["head"], r["inputs"], r["rows"]), {}).setdefault(r["variant"], []).append(r["ms"])
+        for (head, inputs, rows), times in groups.items():
+            cells = [f"{sum(times[c]) / len(times[c]):.2f}" if c in times else "—" for c in present]
+            lines.append(f"| `{name}` | {head} ({inputs}), {rows} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _scaling_span(latest) -> str:
     """'A to B': the smallest and largest N of the scaling rows measured for this kernel."""
     ns = [n for row, n in SCALING.items() if (row, "lm", OURS) in latest]
@@ -351,6 +379,15 @@ def summary(latest):
         f"power cap, where a warmer card or another machine moves a compute-bound step more than a peer's, so "
         f"repeated runs on another machine put the Llama-2 head's a few hundredths higher (docs/perf-notes.md, "
         f"run 57).")
+    every_target = no_ignored_rows(latest)
+    if every_target:
+        step_all = {row: ratio(row, "step_ms") for row in every_target}
+        fwd_all = {row: ratio(row, "fwd_ms", peer_first=True) for row in every_target}
+        text += (f" With every target counted (no ignored rows; BENCHMARKS.md, \"Every target counted\"), where "
+                 f"the peers do no more work than this kernel, the step takes {_listing(step_all, '.3f', '×')} of the "
+                 f"fastest peer's time ({_peer_names(latest, every_target, 'lm', 'step_ms')}) and the forward runs "
+                 f"at {_listing(fwd_all, '.2f', '×')} the fastest forward's speed: the lead above is mostly the "
+                 f"skipped rows.")
     fp32 = latest.get(("llama2-fp32", "lm", OURS))
     fp32_step_peer, fp32_step = fastest_peer(latest, "llama2-fp32", "lm", "step_ms")
     fp32_fwd_peer, fp32_fwd = fastest_peer(latest, "llama2-fp32", "lm", "fwd_ms")
@@ -519,7 +556,8 @@ def main():
     runs, latest = load()
     cpu = cpu_runs()
     present = {k[1] for k in latest}
-    other_rows = sorted({k[0] for k in latest} - set(MAIN_ROWS) - set(SCALING))
+    every_target = no_ignored_rows(latest)
+    other_rows = sorted({k[0] for k in latest} - set(MAIN_ROWS) - set(SCALING) - set(every_target))
     made = [name for name in ("scaling_time.png", "scaling_memory.png")] if args.check else plots(latest)
     parts = [
         "# Benchmarks",
@@ -535,7 +573,7 @@ def main():
         "same inputs: float32 up to the v5 runs, float64 from v6 (at fp32-rounding level an fp32 reference's own "
         "error is as large as the methods'). \"lm\" inputs are a peaked, Zipf-skewed softmax with targets "
         "drawn from it (about 5 nats, 25% top-1); \"uniform\" are logits ~ N(0, 1). 10% of targets "
-        "are ignored.",
+        "are ignored, on every row but the \"-no-ignored\" ones.",
         "",
         "## Runs",
         "",
@@ -545,11 +583,19 @@ def main():
         if inputs not in present:
             continue
         parts += ["", f"## Ratios to the peers ({inputs} inputs)", "", RATIOS_TEXT, "",
-                  targets(latest, MAIN_ROWS + [r for r in other_rows if "slice" not in r], inputs),
+                  targets(latest, MAIN_ROWS + every_target + [r for r in other_rows if "slice" not in r], inputs),
                   "", f"## Main heads, N = 8192 ({inputs} inputs)", "", table(latest, MAIN_ROWS, inputs)]
     if any((row, "lm", OURS) in latest for row in SCALING if row != "llama3"):
         parts += ["", "## Scaling with N (Llama-3-8B head, lm inputs)", "", table(latest, list(SCALING), "lm"), ""]
         parts += [f"![{name}](benchmarks/plots/{name})" for name in made]
+    if every_target:
+        parts += ["", "## Every target counted (no ignored rows)", "",
+                  "The main heads with none of the targets ignored, as in pretraining without padding. This kernel "
+                  "skips the products of the rows whose target is ignored and the peers compute them, so on the rows "
+                  "above (10% ignored) part of its lead is that skip; here every method does the same work.", "",
+                  table(latest, every_target, "lm")]
+        if any((row, "uniform", OURS) in latest for row in every_target):
+            parts += ["", table(latest, every_target, "uniform")]
     if other_rows:
         parts += ["", "## Other rows (dtypes, one rank's vocabulary slice)", "", table(latest, other_rows, "lm")]
     parts += ["", "## Distance to the matmul floor (lm inputs)", "",
@@ -567,6 +613,18 @@ def main():
                   "products); their rate counts 6·n·V·H flops over the n rows each method computes (this kernel "
                   "skips the rows whose target is ignored). The other kernels are the softmax and memory passes "
                   "and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
+    parts_data = parts_runs()
+    if parts_data:
+        parts += ["", "## At the power cap: the step against cuBLAS skeletons of its products", "",
+                  "`benchmarks/parts_probe.py` (`scripts/gpu-check parts`): ms a call, each variant issued back to "
+                  "back for about a second after a warm-up, so that the card sits at the clock its power cap allows "
+                  "that variant (there a kernel's time follows its energy, not its cycles). On the rows of a head "
+                  "that all have a loss: this kernel's step and torch.compile's; cuBLAS doing the step's three "
+                  "products (the logits in bf16, grad_hidden E' W in fp32, grad_weight E'^T diag(r) H accumulated "
+                  "in bf16, on E' = exp(z - row max)) on all rows at once (\"whole\") and in the step's chunks of "
+                  "rows; each of those products alone; and this kernel's sweeps alone (`factored_chunk` a chunk: "
+                  "the reference, the logit sweep that stores E', the per-row pass).", "",
+                  parts_section(parts_data)]
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]

@@ -302,7 +302,8 @@ class _Gradients:
     def _add_weight_chunk(self, lhs, rhs):
         """grad_weight += lhs @ rhs. A 16-bit running sum is rounded every chunk (on the H200,
         cuBLAS's beta = 1 result is off by up to a whole 16-bit step, as if it rounded lhs @ rhs
-        before adding the sum: perf notes, run 57), so that its error grows with the number of
+        before adding the sum, with or without torch's reduced-precision reductions: perf notes, runs
+        57-58), so that its error grows with the number of
         chunks; past ``group_size`` chunks the sum of each group of chunks is added to an fp32 sum
         instead (``weight_sum``, V x H x 4 bytes whatever N), and the 16-bit tensor restarts from
         the next chunk's product. The error is then that of at most ``group_size`` chunks, for any

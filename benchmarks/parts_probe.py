@@ -1,0 +1,174 @@
+"""Where a training step's time goes at the power cap: the step against cuBLAS skeletons of it.
+
+Under the H200's power cap, back-to-back steps run at the clock their energy allows, so a kernel's
+time at the cap measures its energy, not its cycles (perf notes, runs 20-25 and 57: filling idle
+multiprocessors saved nothing there). This probe times, each back to back at the cap after a
+warm-up, on the rows of one head that all have a loss:
+
+- ``step``: fused-linear-ce's training step (forward and backward);
+- ``cublas chunks``: the step's three products alone, with cuBLAS, in the step's chunks of rows:
+  the logits (bf16 out, what the sweep computes), grad_hidden (E' @ W, fp32 out) and grad_weight
+  (E'^T @ diag(r) H, accumulated in bf16), on E' = exp(z - row max) of the same inputs;
+- ``cublas whole``: the same three products on all rows at once (no chunks);
+- ``torch.compile``: its step on the same rows;
+- with ``--parts``, each product alone in chunks and whole, grad_hidden's transposed formulation,
+  and the package's sweeps alone (``sweep chunks``: ``factored_chunk`` a chunk).
+
+The differences say what the sweep's epilogue and the per-row kernels cost (``step`` against
+``cublas chunks``) and what the chunks cost (``cublas chunks`` against ``cublas whole``). The
+variants run in order and then in reverse order, so that a drift of the clock shows.
+
+    python benchmarks/parts_probe.py --out parts.json [--heads llama2] [--inputs lm,uniform]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import ROOT, ROWS, GpuSampler, environment, load_flce, make_inputs, make_method  # noqa: E402
+
+CHUNK_ROWS = 1536  # the step's chunk on the main heads (chunk_rows)
+
+
+def spans(n_rows: int, chunk: int):
+    """The step's chunks when every row has a loss: rows spread evenly, multiples of 128 but the last."""
+    n_chunks = -(-n_rows // chunk)
+    per_chunk = min(chunk, -(-n_rows // (n_chunks * 128)) * 128)
+    starts = list(range(0, n_rows, per_chunk))
+    return list(zip(starts, [*starts[1:], n_rows], strict=True))
+
+
+def skeleton(hidden, weight, chunks, parts=("logits", "grad_hidden", "grad_weight"), transposed=False):
+    """A call that runs ``parts`` of the step's three products with cuBLAS over ``chunks``
+    [(start, end)]; with ``transposed``, grad_hidden as (W^T E'^T)^T (cuBLAS's other formulation)."""
+    rows = hidden.shape[0]
+    logits = torch.empty(max(e - s for s, e in chunks), weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+    exps = torch.empty(rows, weight.shape[0], device=hidden.device, dtype=hidden.dtype)  # E' of every row
+    for s, e in spans(rows, 1024):
+        z = hidden[s:e].float() @ weight.float().t()
+        exps[s:e] = torch.exp(z - z.amax(1, keepdim=True)).to(hidden.dtype)
+    scaled = (hidden.float() / rows).to(hidden.dtype)  # diag(r) H with r about 1/N
+    grad_weight = torch.empty_like(weight)
+
+    def call():
+        for i, (s, e) in enumerate(chunks):
+            if "logits" in parts:
+                torch.mm(hidden[s:e], weight.t(), out=logits[: e - s])
+            if "grad_hidden" in parts:
+                if transposed:
+                    torch.mm(weight.t(), exps[s:e].t(), out_dtype=torch.float32)
+                else:
+                    torch.mm(exps[s:e], weight, out_dtype=torch.float32)
+            if "grad_weight" in parts:
+                if i == 0:
+                    torch.mm(exps[s:e].t(), scaled[s:e], out=grad_weight)
+                else:
+                    grad_weight.addmm_(exps[s:e].t(), scaled[s:e])
+
+    return call
+
+
+def sweep(hidden, weight, targets, chunks):
+    """A call that runs the package's training sweeps alone over ``chunks``: each chunk's
+    ``factored_chunk`` (its reference, the sweep that stores E' and the per-row pass that scales the
+    hidden rows), as a step does before its products."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    from fused_linear_ce import _triton_backend as backend
+    from fused_linear_ce._options import LossOptions, RowResults
+
+    rows, hidden_size = hidden.shape
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    buffer = backend.new_buffer(max(e - s for s, e in chunks), weight.shape[0], hidden.dtype, hidden.device)
+    loss_grad = torch.full((rows,), 1.0 / rows, **f32)
+    opts = LossOptions()
+
+    def call():
+        for s, e in chunks:
+            out = RowResults(lse=torch.empty(e - s, **f32), loss=torch.empty(e - s, **f32))
+            scaled = torch.empty(e - s, hidden_size, device=hidden.device, dtype=hidden.dtype)
+            backend.factored_chunk(hidden[s:e], weight, targets[s:e], opts, buffer[: e - s], loss_grad[s:e], out,
+                                   scaled)
+
+    return call
+
+
+def sustained(fn, warm_ms: float, rep_ms: float) -> dict:
+    """ms a call over about ``rep_ms`` of back-to-back calls, after ``warm_ms`` of them (the card at
+    its capped clock), with the clock and power meanwhile."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    once = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    for _ in range(max(1, int(warm_ms / once))):
+        fn()
+    calls = max(10, int(rep_ms / once))
+    with GpuSampler() as sampler:
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    return {"ms": start.elapsed_time(end) / calls, "calls": calls, "gpu": sampler.summary()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--heads", default="llama2")
+    parser.add_argument("--inputs", default="lm,uniform")
+    parser.add_argument("--warm-ms", type=float, default=1000)
+    parser.add_argument("--rep-ms", type=float, default=1000)
+    parser.add_argument("--parts", action="store_true", help="also each product alone, and the sweeps alone")
+    args = parser.parse_args()
+    flce, loaded_from = load_flce()
+    result = {"environment": environment(), "loaded_from": loaded_from, "results": []}
+    for head in args.heads.split(","):
+        hidden_size, vocab_size, n_tokens, _ = ROWS[head]
+        for kind in args.inputs.split(","):
+            hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, torch.bfloat16, kind)
+            valid = targets != -100
+            hidden, targets = hidden[valid].contiguous(), targets[valid].contiguous()
+            rows = hidden.shape[0]
+            h = hidden.detach().requires_grad_()
+            w = weight.detach().requires_grad_()
+
+            def step_of(loss_fn, h=h, w=w, targets=targets):
+                def step():
+                    h.grad = w.grad = None
+                    loss_fn(h, w, targets).backward()
+                return step
+
+            variants = {
+                "step": step_of(make_method("fused-linear-ce", flce)),
+                "cublas chunks": skeleton(hidden, weight, spans(rows, CHUNK_ROWS)),
+                "cublas whole": skeleton(hidden, weight, [(0, rows)]),
+                "torch.compile": step_of(make_method("torch.compile", flce)),
+            }
+            if args.parts:
+                chunks, whole = spans(rows, CHUNK_ROWS), [(0, rows)]
+                variants["sweep chunks"] = sweep(hidden, weight, targets, chunks)
+                for part in ("logits", "grad_hidden", "grad_weight"):
+                    variants[f"{part} chunks"] = skeleton(hidden, weight, chunks, (part,))
+                    variants[f"{part} whole"] = skeleton(hidden, weight, whole, (part,))
+                variants["grad_hidden chunks transposed"] = skeleton(hidden, weight, chunks, ("grad_hidden",), True)
+            for fn in variants.values():  # compile and allocate outside the timings
+                fn()
+            torch.cuda.synchronize()
+            for lap, names in enumerate((list(variants), list(variants)[::-1])):
+                for name in names:
+                    entry = {"head": head, "inputs": kind, "rows": rows, "variant": name, "lap": lap,
+                             "flops_6nvh": 6 * rows * vocab_size * hidden_size}
+                    entry.update(sustained(variants[name], args.warm_ms, args.rep_ms))
+                    entry["us_per_row"] = entry["ms"] * 1e3 / rows
+                    print(json.dumps(entry), flush=True)
+                    result["results"].append(entry)
+                    Path(args.out).write_text(json.dumps(result, indent=1))
+            del variants
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
