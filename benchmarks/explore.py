@@ -14,7 +14,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROWS, environment, load_flce, make_inputs, reference, rel_err  # noqa: E402
+from bench import ROWS, environment, ignore_fraction, load_flce, make_inputs, reference, rel_err  # noqa: E402
 
 LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap)
 
@@ -183,7 +183,8 @@ def main():
                 records.append({"row": row, **rec})
     for row in args.rows.split(","):
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
-        hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), args.inputs)
+        hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), args.inputs,
+                                              ignored_share=ignore_fraction(row))
         ref = reference(hidden, weight, targets, softcap=args.softcap)
         flops = 2 * n_tokens * vocab_size * hidden_size
         for variant in args.variants.split(";"):

@@ -152,12 +152,27 @@ def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce
     rows (the same 2048 rows' worth of the slice's logits)."""
     monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
     monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
+    monkeypatch.delenv("FLCE_WORKING_SET_ROWS", raising=False)
     backend = submodule(flce, "_triton_backend")
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
     assert backend.chunk_rows(8192, 16000, torch.bfloat16, True, 2, spread=False, hidden_size=4096) == 2304
     assert backend.chunk_rows(8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
     # Gemma-2's (2304, 256000): the 768 MiB buffer allows 1572 rows, so 1536
     assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536
+
+
+def test_the_working_set_knob_trades_memory_for_fewer_chunks(flce, monkeypatch):
+    """FLCE_WORKING_SET_ROWS replaces the 2048 rows of logits that bound a training chunk's working
+    set: Llama-2's head (64000 + 16384 bytes a row) at 2600 takes 2600 x 64000 // 80384 = 2070, so
+    2048 rows (four chunks of 7405 rows, where 1536 take five) when FLCE_CHUNK_ROWS allows them;
+    at 1024, 1024 x 64000 // 80384 = 815, so 768 rows."""
+    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
+    backend = submodule(flce, "_triton_backend")
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "2048")
+    monkeypatch.setenv("FLCE_WORKING_SET_ROWS", "2600")
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 2048
+    monkeypatch.setenv("FLCE_WORKING_SET_ROWS", "1024")
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 768
 
 
 def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):

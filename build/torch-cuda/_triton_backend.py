@@ -105,7 +105,8 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
                spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
-    set within a quarter of the logits of 8192 rows (so, on a small vocabulary, fewer rows):
+    set within a quarter of the logits of 8192 rows (FLCE_WORKING_SET_ROWS, 2048 rows' worth; so,
+    on a small vocabulary, fewer rows):
     the buffer and the hidden-sized blocks alive beside it at any time, H x max(4, 2 x element
     size) bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone,
     then the fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
@@ -121,7 +122,8 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         logit_row = vocab_size * element_size
         by_budget = max(128, budget // logit_row // 128 * 128)
         beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
-        by_share = max(128, 2048 * shards * logit_row // (logit_row + beside) // 128 * 128)
+        share_rows = env_int("FLCE_WORKING_SET_ROWS", 2048)  # a quarter of 8192 rows' logits
+        by_share = max(128, share_rows * shards * logit_row // (logit_row + beside) // 128 * 128)
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
