@@ -593,9 +593,9 @@ def main():
                   "The main heads with none of the targets ignored, as in pretraining without padding. This kernel "
                   "skips the products of the rows whose target is ignored and the peers compute them, so on the rows "
                   "above (10% ignored) part of its lead is that skip; here every method does the same work.", "",
-                  table(latest, every_target, "lm")]
+                  "LM-like inputs:", "", table(latest, every_target, "lm")]
         if any((row, "uniform", OURS) in latest for row in every_target):
-            parts += ["", table(latest, every_target, "uniform")]
+            parts += ["", "Uniform inputs:", "", table(latest, every_target, "uniform")]
     if other_rows:
         parts += ["", "## Other rows (dtypes, one rank's vocabulary slice)", "", table(latest, other_rows, "lm")]
     parts += ["", "## Distance to the matmul floor (lm inputs)", "",
