@@ -32,15 +32,22 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import ROOT, ROWS, GpuSampler, environment, load_flce, make_inputs, make_method  # noqa: E402
 
-CHUNK_ROWS = 1536  # the step's chunk on the main heads (chunk_rows)
+
+def package():
+    """The package's own modules, from the sources (its chunk plan and backend, not its API)."""
+    sources = str(ROOT / "torch-ext")
+    if sources not in sys.path:
+        sys.path.insert(0, sources)
+    from fused_linear_ce import _chunked, _options, _triton_backend
+
+    return _chunked, _options, _triton_backend
 
 
-def spans(n_rows: int, chunk: int):
-    """The step's chunks when every row has a loss: rows spread evenly, multiples of 128 but the last."""
-    n_chunks = -(-n_rows // chunk)
-    per_chunk = min(chunk, -(-n_rows // (n_chunks * 128)) * 128)
-    starts = list(range(0, n_rows, per_chunk))
-    return list(zip(starts, [*starts[1:], n_rows], strict=True))
+def step_chunks(rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """[(start, end)] of a training step's chunks when all ``rows`` have a loss (the package's plan)."""
+    chunked, _, backend = package()
+    chunk = backend.chunk_rows(rows, vocab_size, dtype, True, hidden_size=hidden_size)
+    return list(chunked._spans(rows, chunk, None, min(chunk, rows)))
 
 
 def skeleton(hidden, weight, chunks, parts=("logits", "grad_hidden", "grad_weight"), transposed=False):
@@ -49,7 +56,8 @@ def skeleton(hidden, weight, chunks, parts=("logits", "grad_hidden", "grad_weigh
     rows = hidden.shape[0]
     logits = torch.empty(max(e - s for s, e in chunks), weight.shape[0], device=hidden.device, dtype=hidden.dtype)
     exps = torch.empty(rows, weight.shape[0], device=hidden.device, dtype=hidden.dtype)  # E' of every row
-    for s, e in spans(rows, 1024):
+    for s in range(0, rows, 1024):
+        e = min(rows, s + 1024)
         z = hidden[s:e].float() @ weight.float().t()
         exps[s:e] = torch.exp(z - z.amax(1, keepdim=True)).to(hidden.dtype)
     scaled = (hidden.float() / rows).to(hidden.dtype)  # diag(r) H with r about 1/N
@@ -77,19 +85,16 @@ def sweep(hidden, weight, targets, chunks):
     """A call that runs the package's training sweeps alone over ``chunks``: each chunk's
     ``factored_chunk`` (its reference, the sweep that stores E' and the per-row pass that scales the
     hidden rows), as a step does before its products."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    from fused_linear_ce import _triton_backend as backend
-    from fused_linear_ce._options import LossOptions, RowResults
-
+    _, options, backend = package()
     rows, hidden_size = hidden.shape
     f32 = dict(device=hidden.device, dtype=torch.float32)
     buffer = backend.new_buffer(max(e - s for s, e in chunks), weight.shape[0], hidden.dtype, hidden.device)
     loss_grad = torch.full((rows,), 1.0 / rows, **f32)
-    opts = LossOptions()
+    opts = options.LossOptions()
 
     def call():
         for s, e in chunks:
-            out = RowResults(lse=torch.empty(e - s, **f32), loss=torch.empty(e - s, **f32))
+            out = options.RowResults(lse=torch.empty(e - s, **f32), loss=torch.empty(e - s, **f32))
             scaled = torch.empty(e - s, hidden_size, device=hidden.device, dtype=hidden.dtype)
             backend.factored_chunk(hidden[s:e], weight, targets[s:e], opts, buffer[: e - s], loss_grad[s:e], out,
                                    scaled)
@@ -143,12 +148,12 @@ def main():
 
             variants = {
                 "step": step_of(make_method("fused-linear-ce", flce)),
-                "cublas chunks": skeleton(hidden, weight, spans(rows, CHUNK_ROWS)),
+                "cublas chunks": skeleton(hidden, weight, step_chunks(rows, vocab_size, hidden_size, hidden.dtype)),
                 "cublas whole": skeleton(hidden, weight, [(0, rows)]),
                 "torch.compile": step_of(make_method("torch.compile", flce)),
             }
             if args.parts:
-                chunks, whole = spans(rows, CHUNK_ROWS), [(0, rows)]
+                chunks, whole = step_chunks(rows, vocab_size, hidden_size, hidden.dtype), [(0, rows)]
                 variants["sweep chunks"] = sweep(hidden, weight, targets, chunks)
                 for part in ("logits", "grad_hidden", "grad_weight"):
                     variants[f"{part} chunks"] = skeleton(hidden, weight, chunks, (part,))
