@@ -12,17 +12,22 @@ warm-up, on the rows of one head that all have a loss:
 - ``cublas whole``: the same three products on all rows at once (no chunks);
 - ``torch.compile``: its step on the same rows;
 - with ``--parts``, each product alone in chunks and whole, grad_hidden's transposed formulation,
-  and the package's sweeps alone (``sweep chunks``: ``factored_chunk`` a chunk).
+  and the package's sweeps alone (``sweep chunks``: ``factored_chunk`` a chunk);
+- with ``--env NAME:K=V,...``, ``step [NAME]`` and ``sweep chunks [NAME]`` again under those
+  environment variables (the package reads its FLCE_* knobs at each call), for an A/B at the cap;
+- ``--only`` keeps the named variants (','-separated, ``_`` for a space).
 
 The differences say what the sweep's epilogue and the per-row kernels cost (``step`` against
 ``cublas chunks``) and what the chunks cost (``cublas chunks`` against ``cublas whole``). The
 variants run in order and then in reverse order, so that a drift of the clock shows.
 
     python benchmarks/parts_probe.py --out parts.json [--heads llama2] [--inputs lm,uniform]
+        [--parts] [--env gluon:FLCE_GLUON_TRAINING=1] [--only "step,step_[gluon]"]
 """
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +107,22 @@ def sweep(hidden, weight, targets, chunks):
     return call
 
 
+def under_env(fn, variables: dict[str, str]):
+    """``fn`` called with the environment ``variables`` set (and restored after each call)."""
+    def call():
+        saved = {key: os.environ.get(key) for key in variables}
+        os.environ.update(variables)
+        try:
+            fn()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
+    return call
+
+
 def sustained(fn, warm_ms: float, rep_ms: float) -> dict:
     """ms a call over about ``rep_ms`` of back-to-back calls, after ``warm_ms`` of them (the card at
     its capped clock), with the clock and power meanwhile."""
@@ -127,6 +148,9 @@ def main():
     parser.add_argument("--warm-ms", type=float, default=1000)
     parser.add_argument("--rep-ms", type=float, default=1000)
     parser.add_argument("--parts", action="store_true", help="also each product alone, and the sweeps alone")
+    parser.add_argument("--env", action="append", default=[],
+                        help="NAME:K=V,...: the step and the sweeps again under these variables")
+    parser.add_argument("--only", default="", help="','-separated variants to keep, '_' for a space (default: all)")
     args = parser.parse_args()
     flce, loaded_from = load_flce()
     result = {"environment": environment(), "loaded_from": loaded_from, "results": []}
@@ -159,6 +183,16 @@ def main():
                     variants[f"{part} chunks"] = skeleton(hidden, weight, chunks, (part,))
                     variants[f"{part} whole"] = skeleton(hidden, weight, whole, (part,))
                 variants["grad_hidden chunks transposed"] = skeleton(hidden, weight, chunks, ("grad_hidden",), True)
+            for spec in args.env:
+                name, assignments = spec.split(":", 1)
+                variables = dict(kv.split("=", 1) for kv in assignments.split(","))
+                chunks = step_chunks(rows, vocab_size, hidden_size, hidden.dtype)
+                variants[f"step [{name}]"] = under_env(variants["step"], variables)
+                variants[f"sweep chunks [{name}]"] = under_env(sweep(hidden, weight, targets, chunks), variables)
+                variants.setdefault("sweep chunks", sweep(hidden, weight, targets, chunks))
+            if args.only:
+                variants = {name: fn for name, fn in variants.items()
+                            if name.replace(" ", "_") in args.only.split(",")}
             for fn in variants.values():  # compile and allocate outside the timings
                 fn()
             torch.cuda.synchronize()

@@ -6,8 +6,8 @@ the tensor-core target logit, the row scaling, grad_weight's target segments and
 target counts and flags, the targets' range check, the rows' order, the skipped rows' zeros) with
 their flags on and off, at their launches' block sizes and specializations (unit strides,
 divisibility), marked "wgmma" where their PTX has Hopper's tensor-core products, with the bytes
-ptxas spills to local memory ("spills=N"); with ``--gluon`` also the forward's statistics kernel
-in Gluon.
+ptxas spills to local memory ("spills=N"); with ``--gluon`` also the statistics kernel in
+Gluon, with and without the training sweep's stored exponentials.
 
     TRITON_INTERPRET=0 python scripts/compile_sm90.py [--modes 0,1,2,3] [--flags HAS_BIAS=1,...] [--row-kernels]
         [--gluon]
@@ -131,22 +131,23 @@ def spill_bytes(kernel) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
-def compile_gluon_stats(dtype_name: str, even_v: bool):
-    """``_gluon_stats.tile_stats_kernel`` (the forward's statistics in Gluon) compiled for sm_90."""
+def compile_gluon_stats(dtype_name: str, even_v: bool, store_exp: bool):
+    """``_gluon_stats.tile_stats_kernel`` (the statistics in Gluon; with ``store_exp`` the training
+    sweep's stored exponentials too) compiled for sm_90."""
     from fused_linear_ce import _gluon_stats as G
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
-    block_h = [G.ROWS_PER_GROUP.value, G.BLOCK_K.value]
-    block_w = [G.BLOCK_V.value, G.BLOCK_K.value]
-    layout_h = gl.NVMMASharedLayout.get_default_for(block_h, dtype)
-    layout_w = gl.NVMMASharedLayout.get_default_for(block_w, dtype)
-    signature = {"h_desc": f"tensordesc<{dtype_name}{block_h},{layout_h!r}>",
-                 "w_desc": f"tensordesc<{dtype_name}{block_w},{layout_w!r}>",
-                 "tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "n_rows": "i32", "vocab_size": "i32",
-                 "hidden_size": "i32", "group_blocks": "i32", "EVEN_V": "constexpr"}
-    source = GluonASTSource(G.tile_stats_kernel, signature, {"EVEN_V": even_v})
+    blocks = {"h_desc": [G.ROWS_PER_GROUP.value, G.BLOCK_K.value], "w_desc": [G.BLOCK_V.value, G.BLOCK_K.value],
+              "buffer_desc": [G.ROWS_PER_GROUP.value, G.HALF_V.value] if store_exp else None}
+    blocks["buffer_desc"] = blocks["buffer_desc"] or blocks["h_desc"]  # not read without store_exp
+    signature = {name: f"tensordesc<{dtype_name}{block},{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
+                 for name, block in blocks.items()}
+    signature.update({"tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "row_ref_ptr": "*fp32",
+                      "loss_grad_ptr": "*fp32", "n_rows": "i32", "vocab_size": "i32", "hidden_size": "i32",
+                      "group_blocks": "i32", "EVEN_V": "constexpr", "STORE_EXP": "constexpr"})
+    source = GluonASTSource(G.tile_stats_kernel, signature, {"EVEN_V": even_v, "STORE_EXP": store_exp})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -176,17 +177,18 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-    for dtype_name, even_v in [(d, e) for d in ("bf16", "fp16") for e in (True, False)] if args.gluon else ():
+    gluon_cases = [(d, e, x) for d in ("bf16", "fp16") for e in (True, False) for x in (False, True)]
+    for dtype_name, even_v, store_exp in gluon_cases if args.gluon else ():
+        name = f"_gluon_stats {dtype_name} EVEN_V={int(even_v)} STORE_EXP={int(store_exp)}"
         try:
-            kernel = compile_gluon_stats(dtype_name, even_v)
+            kernel = compile_gluon_stats(dtype_name, even_v, store_exp)
             ptx = kernel.asm["ptx"]
-            print(f"_gluon_stats {dtype_name} EVEN_V={int(even_v)}: ok {kernel.metadata.shared}"
+            print(f"{name}: ok {kernel.metadata.shared} spills={spill_bytes(kernel)}"
                   f" wgmma.m64n256k16={ptx.count('wgmma.mma_async.sync.aligned.m64n256k16')}"
                   f" setmaxnreg={'setmaxnreg' in ptx}")
         except Exception as e:
             failed += 1
-            print(f"_gluon_stats {dtype_name} EVEN_V={int(even_v)}: {type(e).__name__}: "
-                  f"{str(e).strip().splitlines()[-1][:300]}")
+            print(f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
     return 1 if failed else 0
 
 

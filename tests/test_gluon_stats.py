@@ -1,5 +1,6 @@
-"""The forward's statistics in Gluon (``_gluon_stats``), on a Hopper GPU: the same tile statistics as
-float64's, and the forward that takes them (chunks in whole 192-row tiles) the same losses.
+"""The logit sweeps' statistics in Gluon (``_gluon_stats``), on a Hopper GPU: the same tile statistics
+as float64's, the forward that takes them (chunks in whole 192-row tiles) the same losses, and the
+training sweep's stored exponentials (FLCE_GLUON_TRAINING=1) float64's.
 
 The interpreter runs no Gluon, so these run on an H100 / H200 only; on any machine
 ``test_hopper_compile.py`` compiles the kernel for sm_90."""
@@ -127,3 +128,107 @@ def test_a_gluon_kernel_that_fails_to_launch_leaves_the_forward_to_the_logit_ker
     assert backend.row_block(torch.bfloat16, backend.LossOptions(), False, False, False, hidden.device) == 128
     expected = reference(hidden, weight, targets, reduction="none").loss
     assert_rel(losses, expected, tolerance(torch.bfloat16, "loss"), "loss after the fallback")
+
+
+@pytest.mark.parametrize("n, h, v", [
+    (1000, 256, 1000),  # partial row block and vocabulary tile
+    (1536, 128, 32000),  # a training chunk of Llama-2's vocabulary: 8 whole tiles of rows
+])
+def test_the_training_sweep_stores_the_exponentials_of_float64(flce, n, h, v):
+    """The factored training sweep (STORE_EXP, the logit kernel's mode 3) in Gluon: each tile's
+    max, its sum of exp(z - m) and exp(z - m) itself in the chunk buffer (stored by the copy
+    engine half a tile at a time, clipped at the buffer's edges), with m the row's
+    reference B_i unless the tile max passes it by more than the gap; rows without gradient
+    store zeros. References below the row max by 3 (the usual case), by 60 (tiles near the max
+    keep their own) and above it by 2 (every tile on B_i)."""
+    gluon = _gluon(flce)
+    hidden, weight, _, _ = make_inputs(n, h, v, torch.bfloat16, seed=n + v, scale=8.0, requires_grad=False)
+    z = hidden.double() @ weight.double().T
+    rows = torch.arange(n, device=DEVICE)
+    row_ref = (z.amax(dim=1) + torch.tensor([-3.0, -60.0, 2.0], device=DEVICE, dtype=torch.float64)[rows % 3]).float()
+    loss_grad = torch.where(rows % 5 == 0, 0.0, 1.0 + rows / n).float()
+    tiles = -(-v // 256)
+    tile_max = torch.full((n, tiles), float("nan"), device=DEVICE)
+    tile_sum = torch.full((n, tiles), float("nan"), device=DEVICE)
+    buffer = torch.full((n, v), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    gluon.tile_stats(hidden, weight, tile_max, tile_sum, 4096, 132, row_ref, loss_grad, buffer)
+    assert not tile_max.isnan().any() and not tile_sum.isnan().any() and not buffer.isnan().any()
+    expected_max, _ = _float64_tile_stats(hidden, weight)
+    bound = h * 2.0**-24 * (hidden.double().abs() @ weight.double().abs().T).max().item()
+    assert (tile_max.double() - expected_max).abs().max().item() <= bound
+    # The reference each tile took, from the kernel's own tile max (float64's is within bound of
+    # it, and the choice is a comparison of that max with B_i + 40).
+    gap = submodule(flce, "_kernels").REFERENCE_GAP.value
+    reference = torch.where(tile_max > row_ref[:, None] + gap, tile_max, row_ref[:, None]).double()
+    reference = reference.repeat_interleave(256, dim=1)[:, :v]
+    exponentials = (z - reference).exp()
+    assert (rows % 3 == 1).any() and (reference != row_ref.double()[:, None]).any()  # both references occur
+    # The sums (up to 256 terms) and the stored values, relative: the logits' rounding (bound,
+    # twice with a tile max as reference: z and m), fp32 exp and sums, and bf16's rounding of
+    # the stored values (2^-9). Every z - m here is above -87, so no exponential flushes to 0.
+    expected_sums = torch.nn.functional.pad(exponentials, (0, tiles * 256 - v)).view(n, tiles, 256).sum(dim=2)
+    assert_rel(tile_sum / expected_sums, torch.ones_like(expected_sums), 2 * bound + 256 * 2.0**-22,
+               "sum of exponentials")
+    expected = torch.where((loss_grad != 0)[:, None], exponentials, 0.0)
+    relative = (buffer.double() - expected).abs() / expected.clamp_min(torch.finfo(torch.float32).tiny)
+    assert relative[expected > 0].max().item() <= 2.0**-9 + 2 * bound + 2.0**-22
+    assert (buffer[expected == 0] == 0).all()
+
+
+def _spy_training_sweeps(monkeypatch, flce):
+    """Rows of each launch of the Gluon kernel that stores a training chunk's exponentials."""
+    gluon = _gluon(flce)
+    rows, original = [], gluon.tile_stats
+
+    def spy(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref=None, loss_grad=None, buffer=None):
+        if buffer is not None:
+            rows.append(hidden.shape[0])
+        return original(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref, loss_grad, buffer)
+
+    monkeypatch.setattr(gluon, "tile_stats", spy)
+    return rows
+
+
+@pytest.mark.parametrize("n, h, v", [(2000, 256, 1000), (3000, 128, 2048)])
+def test_a_training_step_takes_the_gluon_sweep_where_asked(flce, monkeypatch, n, h, v):
+    """A bf16 training step of plain logits with FLCE_GLUON_TRAINING=1: every chunk's sweep
+    stores its exponentials from the Gluon kernel, and the loss and gradients are float64's;
+    with FLCE_GLUON_TRAINING=0 (the default) the logit kernel computes the same."""
+    hidden, weight, targets, _ = make_inputs(n, h, v, torch.bfloat16, seed=n, ignore=0.1)
+    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
+    rows = _spy_training_sweeps(monkeypatch, flce)
+    for gluon_training in ("1", "0"):
+        rows.clear()
+        hidden.grad = weight.grad = None
+        with env(FLCE_GLUON_TRAINING=gluon_training):
+            loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
+            loss.backward()
+        if gluon_training == "1":
+            assert len(rows) >= 2  # several chunks
+            assert sum(rows) == int((targets != -100).sum())  # the ignored rows are skipped
+        else:
+            assert rows == []
+        what = f"FLCE_GLUON_TRAINING={gluon_training}"
+        assert_rel(loss, ref.loss, tolerance(torch.bfloat16, "loss"), f"loss, {what}")
+        assert_rel(hidden.grad, ref.grad_hidden, tolerance(torch.bfloat16, "grad"), f"grad_hidden, {what}")
+        assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {what}")
+
+
+@pytest.mark.parametrize("options", [dict(return_metrics=True), dict(z_loss_scale=1e-3), dict(dtype=torch.float16)])
+def test_training_steps_the_gluon_sweep_cannot_take_use_the_logit_kernel(flce, monkeypatch, options):
+    """With FLCE_GLUON_TRAINING=1, metrics (the entropy and argmax of each tile), z-loss and
+    fp16 (neither factored) keep the logit kernel's training sweep: no Gluon launch stores a
+    buffer, and the gradients are float64's."""
+    options = dict(options)
+    dtype = options.pop("dtype", torch.bfloat16)
+    hidden, weight, targets, _ = make_inputs(1000, 128, 700, dtype, seed=11, ignore=0.1)
+    rows = _spy_training_sweeps(monkeypatch, flce)
+    with env(FLCE_GLUON_TRAINING="1"):
+        out = flce.fused_linear_cross_entropy(hidden, weight, targets, **options)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+    assert rows == []
+    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0),
+                    **{k: val for k, val in options.items() if k != "return_metrics"})
+    assert_rel(hidden.grad, ref.grad_hidden, tolerance(dtype, "grad"), f"grad_hidden with {options}")
+    assert_rel(weight.grad, ref.grad_weight, tolerance(dtype, "grad"), f"grad_weight with {options}")

@@ -347,10 +347,12 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         mode = K.MODE_STATS
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
-    gluon = (_gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
-             if mode == K.MODE_STATS and not pick_target else None)
-    if gluon is not None and gluon.applies(hidden, weight) \
-            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device):
+    gluon = None
+    if mode == K.MODE_STATS and not pick_target or mode == K.MODE_STATS_AND_EXP and _gluon_training():
+        gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
+    exp_args = (row_ref, loss_grad, shifted_out) if mode == K.MODE_STATS_AND_EXP else ()
+    if gluon is not None and gluon.applies(hidden, weight, *exp_args[2:]) \
+            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device, *exp_args):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
@@ -358,12 +360,19 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     return tile_stats, target_logit, block_v, num_tiles
 
 
+def _gluon_training() -> bool:
+    """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
+    (FLCE_GLUON_TRAINING=1; FLCE_GLUON=0 turns off both sweeps)."""
+    return env_int("FLCE_GLUON_TRAINING", 0) == 1
+
+
 def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
                  device: torch.device):
-    """``_gluon_stats`` where it computes a statistics sweep (mode 0) of inputs of ``dtype`` on
-    ``device``, else None: 16-bit inputs on Hopper, the logits z = h W^T alone (no bias, logit
-    scale, softcap or smoothing's logit sum; z-loss enters only the loss), no metrics, the target
-    logit from the tensor-core product and the logit kernel's 256-column tiles."""
+    """``_gluon_stats`` where it computes a statistics sweep (mode 0, or the factored training
+    sweep, mode 3) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
+    logits z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters
+    only the loss), no metrics, the target logit from the tensor-core product and the logit
+    kernel's 256-column tiles."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
         return None
     if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing or not _tensor_core_target():
@@ -395,14 +404,17 @@ def _gluon_stats_module():
 _gluon_compiled: set[tuple] = set()
 
 
-def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device) -> bool:
-    """Launches ``_gluon_stats``' kernel; False (and the logit kernel from then on, with a
-    warning) if its first launch of a specialisation fails: Gluon is experimental, and another
-    Triton's may refuse this code where the logit kernel's language does not move."""
+def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row_ref=None, loss_grad=None,
+                      buffer=None) -> bool:
+    """Launches ``_gluon_stats``' kernel (with ``buffer``, the factored sweep's); False (and the
+    logit kernel from then on, with a warning) if its first launch of a specialisation fails:
+    Gluon is experimental, and another Triton's may refuse this code where the logit kernel's
+    language does not move."""
     global _gluon_stats
-    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, device)
+    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, buffer is not None, device)
     try:
-        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device))
+        gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device),
+                         row_ref, loss_grad, buffer)
     except Exception as error:
         if key in _gluon_compiled:  # it ran before: a failure of the launch itself
             raise

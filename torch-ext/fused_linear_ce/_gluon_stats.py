@@ -1,4 +1,4 @@
-"""The forward's tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, runs 43-44).
+"""The logit sweeps' tile statistics on Hopper in Gluon, Triton's lower-level dialect (perf notes, runs 43-44, 59).
 
 The logit kernel (``_kernels._logit_tile_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
@@ -8,12 +8,15 @@ K step, three 64-row blocks of hidden and one 256-row block of weight. A tile th
 Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles. On the H200 it ran the
 statistics 1-3% faster a flop than the logit kernel (``benchmarks/gluon_probe.py``).
 
-Only the statistics of plain logits take this path (MODE_STATS without bias, logit scale, softcap
-or smoothing's logit sum, without metrics and without the target pick; z-loss and class weights
-enter the loss only); everything else, and every GPU without Hopper's wgmma or a Triton without
-this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit kernel. The
-interpreter runs no Gluon: the GPU tests check this path against float64, and the CPU tests
-compile it for sm_90 (``scripts/compile_sm90.py --gluon``).
+Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
+logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
+(the logit kernel's mode 0 without the target pick) and, with FLCE_GLUON_TRAINING=1, the factored
+training sweep (its mode 3: the sums relative to each row's reference, and the exponentials
+stored to the chunk buffer by the copy engine, half a tile at a time through 48 KB of shared
+memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
+without this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit
+kernel. The interpreter runs no Gluon: the GPU tests check this path against float64 and the
+logit kernel, and the CPU tests compile it for sm_90 (``scripts/compile_sm90.py --gluon``).
 
 Why warpgroup 0 also loads: a producer warp would make 13 warps, launched as 16 at 128 registers
 each, and ptxas holds every partition to that, too few for the accumulator; 12 warps get 168.
@@ -25,8 +28,16 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._kernels import REFERENCE_GAP
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -34,8 +45,11 @@ BLOCK_V = gl.constexpr(256)
 BLOCK_K = gl.constexpr(64)
 STAGES = gl.constexpr(3)  # 3 x 56 KB of shared memory
 BLOCK_N = ROWS_PER_GROUP.value * GROUPS.value  # rows a tile: 192
-# The copy engine's load: ``async_load`` from Triton 3.7 on (which removes the older name).
+HALF_V = gl.constexpr(128)  # columns of a stored half tile
+# The copy engine's load and store: ``async_load`` / ``async_store`` from Triton 3.7 on (which
+# removes the older names).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -104,25 +118,70 @@ def _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.conste
 
 
 @gluon.jit
-def _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v,
-                   which: gl.constexpr, EVEN_V: gl.constexpr):
-    """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - max)."""
+def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which: gl.constexpr,
+                   EVEN_V: gl.constexpr):
+    """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - m), m the tile max;
+    in the training sweep (the logit kernel's mode 3, ``_stores_exp``), m is the row's reference
+    unless the tile max passes it by more than REFERENCE_GAP (``_kernels._exp_reference``), and
+    exp(z - m) goes to the chunk buffer (0 on rows without gradient). ``out``: what the epilogue
+    writes and reads, (tile_max, tile_sum[, row_ref, loss_grad, the buffer's descriptor, the
+    staging tiles])."""
+    STORE_EXP: gl.constexpr = _stores_exp(out)
+    tile_max_ptr = out[0]
+    tile_sum_ptr = out[1]
     if not EVEN_V:  # columns past the vocabulary (zeros from the copy engine) take no part
         col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
         cols = pid_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=col_layout)
         acc = gl.where((cols < vocab_size)[None, :], acc, float("-inf"))
     row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    first_row = (pid_n * GROUPS + which) * ROWS_PER_GROUP
+    rows = first_row + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
+    row_mask = rows < n_rows
     tile_max = gl.max(acc, axis=1)
-    sum_exp = gl.sum(gl.exp(acc - tile_max[:, None]), axis=1)
-    rows = (pid_n * GROUPS + which) * ROWS_PER_GROUP + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
+    reference = tile_max
+    if STORE_EXP:
+        row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
+        reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
+    exp_shifted = gl.exp(acc - reference[:, None])
+    sum_exp = gl.sum(exp_shifted, axis=1)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
-    gl.store(tile_max_ptr + stat, tile_max, mask=rows < n_rows)
-    gl.store(tile_sum_ptr + stat, sum_exp, mask=rows < n_rows)
+    gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
+    gl.store(tile_sum_ptr + stat, sum_exp, mask=row_mask)
+    if STORE_EXP:
+        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=0.0)
+        exp_shifted = gl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+        buffer_desc = out[4]
+        _store_halves(exp_shifted.to(buffer_desc.dtype), buffer_desc, out[5].index(which), first_row,
+                      pid_v * BLOCK_V)
+
+
+@gluon.constexpr_function
+def _stores_exp(out):
+    """Whether the partitions' ``out`` is the training sweep's (warp_specialize hands flags over
+    as values, so the mode goes as the tuple's length, which stays known at compile time)."""
+    return len(out) > 2
 
 
 @gluon.jit
-def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size,
-                   num_row_blocks, num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
+def _store_halves(tile, buffer_desc, staging, row, col):
+    """Stores ``tile`` [64, 256] to the buffer at (row, col) by the copy engine, clipped at its
+    edges, through ``staging`` [64, 128] in shared memory a half at a time: a whole tile's staging
+    (three warpgroups' 96 KB) beside the 168 KB ring would pass an SM's 227 KB. The second half's
+    copy is still running when this returns (under the next tile's products)."""
+    low, high = gl.split(gl.permute(gl.reshape(tile, [ROWS_PER_GROUP, 2, HALF_V]), (0, 2, 1)))
+    tma.store_wait(0)  # the previous tile's second half has left the staging tile
+    staging.store(low)
+    fence_async_shared()
+    _tma_store(buffer_desc, [row, col], staging)
+    tma.store_wait(0)
+    staging.store(high)
+    fence_async_shared()
+    _tma_store(buffer_desc, [row, col + HALF_V], staging)
+
+
+@gluon.jit
+def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks,
+                   num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
     """Warpgroup 0 (the default partition): its rows of every tile of this program, and every
     stage's loads, STAGES - 1 steps ahead of its products."""
     programs = gl.num_programs(0)
@@ -158,42 +217,49 @@ def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, tile_max_ptr, t
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-        _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, 0, EVEN_V)
+        _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, 0, EVEN_V)
+    if _stores_exp(out):
+        tma.store_wait(0)  # the last half tile has left shared memory
 
 
 @gluon.jit
-def _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-           num_col_tiles, k_steps, group_blocks, which: gl.constexpr, EVEN_V: gl.constexpr):
+def _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+           group_blocks, which: gl.constexpr, EVEN_V: gl.constexpr):
     """Warpgroup ``which`` (1 or 2, a worker partition): its rows of every tile of this program."""
     step = 0
     for tile_id in range(gl.program_id(0), num_row_blocks * num_col_tiles, gl.num_programs(0)):
         pid_n, pid_v = _tile_coords(tile_id, num_row_blocks, num_col_tiles, group_blocks)
         acc = _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which)
         step += k_steps
-        _tile_epilogue(acc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which,
-                       EVEN_V)
+        _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which, EVEN_V)
+    if _stores_exp(out):
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _group_1(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-             num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
-    _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-           num_col_tiles, k_steps, group_blocks, 1, EVEN_V)
+def _group_1(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+             group_blocks, EVEN_V: gl.constexpr):
+    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+           group_blocks, 1, EVEN_V)
 
 
 @gluon.jit
-def _group_2(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-             num_col_tiles, k_steps, group_blocks, EVEN_V: gl.constexpr):
-    _group(a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-           num_col_tiles, k_steps, group_blocks, 2, EVEN_V)
+def _group_2(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+             group_blocks, EVEN_V: gl.constexpr):
+    _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+           group_blocks, 2, EVEN_V)
 
 
 @gluon.jit
-def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, hidden_size, group_blocks,
-                      EVEN_V: gl.constexpr):
+def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, n_rows,
+                      vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
     """Tile statistics [n_rows, ceil(V / 256)] fp32 of z = hidden [n_rows, H] @ weight [V, H].T:
-    each (row, 256-column tile)'s max and sum of exp(z - max), persistent over 192 x 256 tiles
-    taken in groups of ``group_blocks`` row blocks (the logit kernel's order)."""
+    each (row, 256-column tile)'s max and sum of exp(z - m), persistent over 192 x 256 tiles
+    taken in groups of ``group_blocks`` row blocks (the logit kernel's order). m is the tile max;
+    with STORE_EXP, as in the logit kernel's mode 3, the reference of row_ref [n_rows] (fp32),
+    and exp(z - m) stored through ``buffer_desc`` (a [n_rows, V] buffer of the inputs' dtype, in
+    64 x 128 blocks), zero on the rows whose loss_grad [n_rows] (fp32) is 0. Without STORE_EXP
+    row_ref, loss_grad and the buffer are not read."""
     a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES * GROUPS, ROWS_PER_GROUP, BLOCK_K], h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -204,8 +270,14 @@ def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, n_rows, vocab_
     num_row_blocks = gl.cdiv(n_rows, GROUPS * ROWS_PER_GROUP)
     num_col_tiles = gl.cdiv(vocab_size, BLOCK_V)
     k_steps = gl.cdiv(hidden_size, BLOCK_K)
-    args = (a_bufs, b_bufs, ready, empty, tile_max_ptr, tile_sum_ptr, n_rows, vocab_size, num_row_blocks,
-            num_col_tiles, k_steps, group_blocks, EVEN_V)
+    # Only what the epilogue reads goes to the partitions (unused captures fail Triton 3.6's lowering).
+    if STORE_EXP:
+        staging = gl.allocate_shared_memory(buffer_desc.dtype, [GROUPS, ROWS_PER_GROUP, HALF_V], buffer_desc.layout)
+        out = (tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, staging)
+    else:
+        out = (tile_max_ptr, tile_sum_ptr)
+    args = (a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
+            group_blocks, EVEN_V)
     gl.warp_specialize([(_loading_group, (h_desc, w_desc) + args), (_group_1, args), (_group_2, args)],
                        [4, 4], [168, 168])
 
@@ -225,23 +297,33 @@ def device_applies(device: torch.device) -> bool:
     return _capabilities[device] == (9, 0)
 
 
-def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this kernel can compute the statistics of ``hidden`` against ``weight``: on a
-    device it runs on, 16-bit inputs of one dtype, rows the copy engine can move, K steps of 64."""
+def applies(hidden: torch.Tensor, weight: torch.Tensor, buffer: torch.Tensor | None = None) -> bool:
+    """Whether this kernel can compute the statistics of ``hidden`` against ``weight`` (and store
+    the training sweep's exponentials to ``buffer``): on a device it runs on, 16-bit inputs of one
+    dtype, rows the copy engine can move, K steps of 64."""
     if not device_applies(hidden.device):
         return False
     if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype or hidden.shape[1] % BLOCK_K.value:
         return False
-    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-               for t in (hidden, weight))
+    if buffer is not None and (buffer.dtype != hidden.dtype or not _movable(buffer)):
+        return False
+    return _movable(hidden) and _movable(weight)
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """Whether the copy engine can move the rows of the 2-D ``t``: contiguous, 16-byte aligned."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tensor, tile_sum_exp: torch.Tensor,
-               group_rows: int, programs: int) -> None:
+               group_rows: int, programs: int, row_ref: torch.Tensor | None = None,
+               loss_grad: torch.Tensor | None = None, buffer: torch.Tensor | None = None) -> None:
     """Writes each (row, 256-column tile)'s max and sum of exp(z - max) of z = hidden [n_rows, H]
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
     contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
-    persistent programs."""
+    persistent programs. With ``buffer`` [n_rows, V] (the inputs' dtype, rows the copy engine can
+    move), ``row_ref`` and ``loss_grad`` [n_rows] fp32, the logit kernel's mode 3 instead: the sums
+    are relative to each row's reference and exp(z - reference) goes to ``buffer``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     if n_rows == 0 or vocab_size == 0:
@@ -250,7 +332,16 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     block_h, block_w = [ROWS_PER_GROUP.value, BLOCK_K.value], [BLOCK_V.value, BLOCK_K.value]
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, dtype))
+    store_exp = buffer is not None
+    if store_exp:
+        assert row_ref is not None and loss_grad is not None and _movable(buffer) and buffer.dtype == hidden.dtype
+        block_out = [ROWS_PER_GROUP.value, HALF_V.value]
+        buffer_desc = TensorDescriptor.from_tensor(buffer, block_out,
+                                                   gl.NVMMASharedLayout.get_default_for(block_out, dtype))
+    else:
+        row_ref = loss_grad = tile_max  # not read
+        buffer_desc = h_desc
     num_tiles = triton.cdiv(n_rows, BLOCK_N) * triton.cdiv(vocab_size, BLOCK_V.value)
     tile_stats_kernel[(min(num_tiles, programs),)](
-        h_desc, w_desc, tile_max, tile_sum_exp, n_rows, vocab_size, hidden_size, max(1, group_rows // BLOCK_N),
-        EVEN_V=vocab_size % BLOCK_V.value == 0, num_warps=4)
+        h_desc, w_desc, tile_max, tile_sum_exp, row_ref, loss_grad, buffer_desc, n_rows, vocab_size, hidden_size,
+        max(1, group_rows // BLOCK_N), EVEN_V=vocab_size % BLOCK_V.value == 0, STORE_EXP=store_exp, num_warps=4)
