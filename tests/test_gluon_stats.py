@@ -1,6 +1,6 @@
 """The logit sweeps' statistics in Gluon (``_gluon_stats``), on a Hopper GPU: the same tile statistics
 as float64's, the forward that takes them (chunks in whole 192-row tiles) the same losses, and the
-training sweep's stored exponentials (FLCE_GLUON_TRAINING=1) float64's.
+training sweep's stored exponentials float64's.
 
 The interpreter runs no Gluon, so these run on an H100 / H200 only; on any machine
 ``test_hopper_compile.py`` compiles the kernel for sm_90."""
@@ -192,9 +192,9 @@ def _spy_training_sweeps(monkeypatch, flce):
 
 @pytest.mark.parametrize("n, h, v", [(2000, 256, 1000), (3000, 128, 2048)])
 def test_a_training_step_takes_the_gluon_sweep_where_asked(flce, monkeypatch, n, h, v):
-    """A bf16 training step of plain logits with FLCE_GLUON_TRAINING=1: every chunk's sweep
-    stores its exponentials from the Gluon kernel, and the loss and gradients are float64's;
-    with FLCE_GLUON_TRAINING=0 (the default) the logit kernel computes the same."""
+    """A bf16 training step of plain logits (FLCE_GLUON_TRAINING=1, the default): every chunk's
+    sweep stores its exponentials from the Gluon kernel, and the loss and gradients are
+    float64's; with FLCE_GLUON_TRAINING=0 the logit kernel computes the same."""
     hidden, weight, targets, _ = make_inputs(n, h, v, torch.bfloat16, seed=n, ignore=0.1)
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
     rows = _spy_training_sweeps(monkeypatch, flce)

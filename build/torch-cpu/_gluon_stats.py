@@ -10,8 +10,8 @@ statistics 1-3% faster a flop than the logit kernel (``benchmarks/gluon_probe.py
 
 Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
 logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
-(the logit kernel's mode 0 without the target pick) and, with FLCE_GLUON_TRAINING=1, the factored
-training sweep (its mode 3: the sums relative to each row's reference, and the exponentials
+(the logit kernel's mode 0 without the target pick) and (unless FLCE_GLUON_TRAINING=0) the
+factored training sweep (its mode 3: the sums relative to each row's reference, and the exponentials
 stored to the chunk buffer by the copy engine, half a tile at a time through 48 KB of shared
 memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
 without this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit
