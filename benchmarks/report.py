@@ -37,7 +37,8 @@ REQUIREMENTS_MARK = "<!-- REQUIREMENTS -->"
 def load():
     """Latest result per (row, inputs, method) over the recorded runs (in the order of their
     dates), with its environment; a result without a step anatomy keeps the latest one traced
-    (``_anatomy_file`` says from which run)."""
+    (``_anatomy_file`` says from which run), and one without errors the latest errors measured
+    (``_errors_file``: a run that changed no numerics, marked † in the tables)."""
     runs, latest = [], {}
     paths = sorted(RESULTS.glob("h200-*.json"))
     for path, data in sorted(((p, json.loads(p.read_text())) for p in paths),
@@ -50,6 +51,9 @@ def load():
                 r.update(anatomy=latest[key]["anatomy"], _anatomy_file=latest[key].get("_anatomy_file"))
             elif "anatomy" in r:
                 r["_anatomy_file"] = path.name
+            if "loss_err" not in r and "error" not in r and "loss_err" in latest.get(key, {}):
+                r.update({k: latest[key][k] for k in ERROR_KEYS},
+                         _errors_file=latest[key].get("_errors_file", latest[key]["_file"]))
             latest[key] = r
     return runs, latest
 
@@ -114,6 +118,23 @@ def error_cell(r):
     return "fails: " + r["error"].strip().splitlines()[0].replace("|", "\\|")
 
 
+ERROR_KEYS = ("loss_err", "grad_hidden_err", "grad_weight_err")
+
+
+def carried(r) -> str:
+    """† where ``r``'s errors come from an earlier run than its times."""
+    return "†" if r.get("_errors_file") else ""
+
+
+def carried_note(results) -> list[str]:
+    """The line under a table that says where its † errors come from, if any are."""
+    files = sorted({r["_errors_file"] for r in results if r.get("_errors_file")})
+    if not files:
+        return []
+    return ["", f"† errors from {', '.join(f'`{f}`' for f in files)}: this run did not measure them, and on "
+            "the heads it did measure they are the earlier run's to the last digit (the same numerics)."]
+
+
 def error_ratio(latest, row, inputs):
     """The largest of the loss, grad_hidden and grad_weight errors relative to PyTorch eager's."""
     ours, torch_r = latest.get((row, inputs, OURS), {}), latest.get((row, inputs, "torch"), {})
@@ -121,7 +142,7 @@ def error_ratio(latest, row, inputs):
         return None
     # a loss error below 1e-6 is fp32 rounding of the sum itself: counted as equal
     return max(max(ours[k], 1e-6 if k == "loss_err" else 0) / max(torch_r[k], 1e-6 if k == "loss_err" else 1e-30)
-               for k in ("loss_err", "grad_hidden_err", "grad_weight_err"))
+               for k in ERROR_KEYS)
 
 
 def logits_mib(r, element_size=2):
@@ -155,9 +176,10 @@ def table(latest, rows, inputs):
             lines.append(
                 f"| {head} | {name} | {fmt(r['fwd_ms'], '.2f')} | {fmt(r['step_ms'], '.2f')} | "
                 f"{fmt(r['step_peak_mib'], '.0f')} | {fmt(r['step_peak_minus_grads_mib'], '.0f')} | "
-                f"{fmt(r.get('loss_err'), '.1e')} | {fmt(r.get('grad_hidden_err'), '.1e')} | "
-                f"{fmt(r.get('grad_weight_err'), '.1e')} |{joules}")
-    return "\n".join(lines)
+                f"{fmt(r.get('loss_err'), '.1e')}{carried(r)} | {fmt(r.get('grad_hidden_err'), '.1e')}{carried(r)} | "
+                f"{fmt(r.get('grad_weight_err'), '.1e')}{carried(r)} |{joules}")
+    shown = [latest[(row, inputs, m)] for row in rows for m in methods_in(latest) if (row, inputs, m) in latest]
+    return "\n".join(lines + carried_note(shown))
 
 
 RATIOS_TEXT = (
@@ -190,12 +212,14 @@ def targets(latest, rows, inputs):
         def mark(ok):
             return "" if ok is None else (" ✓" if ok else " ✗")
 
-        errs = "—" if err_ratio is None else f"{err_ratio:.3f}{mark(err_ratio <= 1.0)}"
+        errors_from = carried(ours) or carried(latest.get((row, inputs, "torch"), {}))
+        errs = "—" if err_ratio is None else f"{err_ratio:.3f}{errors_from}{mark(err_ratio <= 1.0)}"
         lines.append(
             f"| {row} | {fmt(step_ratio, '.3f')}{mark(step_ratio and step_ratio <= STEP_TARGET)} | "
             f"{fmt(fwd_ratio, '.3f')}{mark(fwd_ratio and fwd_ratio >= FORWARD_TARGET)} | "
             f"{mem_ratio:.0%}{mark(mem_ratio <= 0.25)} | {errs} |")
-    return "\n".join(lines)
+    shown = [latest[(row, inputs, m)] for row in rows for m in (OURS, "torch") if (row, inputs, m) in latest]
+    return "\n".join(lines + carried_note(shown))
 
 
 def plots(latest, inputs="lm"):
@@ -404,10 +428,11 @@ def summary(latest):
                  f"(BENCHMARKS.md, \"Distance to the matmul floor\"); this kernel skips the rows whose target "
                  f"is ignored ({1 - llama['n_valid'] / llama['n_tokens']:.0%} of them here), which the flops "
                  f"count includes.")
-    text += (" A step is three matrix products the size of the logits: the logit product is a Triton kernel with "
-             "the softmax in its epilogue, the two gradient products are cuBLAS's, with the softmax's factors "
-             "applied on their small side. An evaluation forward's statistics come from a Gluon kernel of "
-             "192 × 256 tiles on Hopper.")
+    text += (" A step is three matrix products the size of the logits: the logit product is a kernel with the "
+             "softmax in its epilogue (on Hopper a Gluon kernel of 192 × 256 tiles whose copy engine stores the "
+             "exponentials, elsewhere a Triton kernel), the two gradient products are cuBLAS's, with the "
+             "softmax's factors applied on their small side. An evaluation forward's statistics come from the "
+             "same Gluon kernel on Hopper.")
     walls = [r["wall_s"] for (row, inputs, method), r in latest.items() if method == OURS and "wall_s" in r]
     if walls:
         text += (f"\n\nThe first call for a given (H, V, dtype, flags) in a process pays for Triton compilation and "
