@@ -362,9 +362,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
 
 def _gluon_training() -> bool:
     """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
-    (FLCE_GLUON_TRAINING, default 1: 1-2% faster a step at the power cap on large vocabularies,
-    perf notes run 59;
-    FLCE_GLUON=0 turns off both sweeps)."""
+    (FLCE_GLUON_TRAINING, default 1: a step 1-2% faster at the power cap on large vocabularies,
+    perf notes run 59; FLCE_GLUON=0 turns off both sweeps)."""
     return env_int("FLCE_GLUON_TRAINING", 1) == 1
 
 
