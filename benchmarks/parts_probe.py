@@ -183,13 +183,14 @@ def main():
                     variants[f"{part} chunks"] = skeleton(hidden, weight, chunks, (part,))
                     variants[f"{part} whole"] = skeleton(hidden, weight, whole, (part,))
                 variants["grad_hidden chunks transposed"] = skeleton(hidden, weight, chunks, ("grad_hidden",), True)
+            if args.env and "sweep chunks" not in variants:
+                variants["sweep chunks"] = sweep(hidden, weight, targets,
+                                                 step_chunks(rows, vocab_size, hidden_size, hidden.dtype))
             for spec in args.env:
                 name, assignments = spec.split(":", 1)
                 variables = dict(kv.split("=", 1) for kv in assignments.split(","))
-                chunks = step_chunks(rows, vocab_size, hidden_size, hidden.dtype)
                 variants[f"step [{name}]"] = under_env(variants["step"], variables)
-                variants[f"sweep chunks [{name}]"] = under_env(sweep(hidden, weight, targets, chunks), variables)
-                variants.setdefault("sweep chunks", sweep(hidden, weight, targets, chunks))
+                variants[f"sweep chunks [{name}]"] = under_env(variants["sweep chunks"], variables)
             if args.only:
                 variants = {name: fn for name, fn in variants.items()
                             if name.replace(" ", "_") in args.only.split(",")}

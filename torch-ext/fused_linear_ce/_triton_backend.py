@@ -350,9 +350,9 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     gluon = None
     if mode == K.MODE_STATS and not pick_target or mode == K.MODE_STATS_AND_EXP and _gluon_training():
         gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
-    exp_args = (row_ref, loss_grad, shifted_out) if mode == K.MODE_STATS_AND_EXP else ()
-    if gluon is not None and gluon.applies(hidden, weight, *exp_args[2:]) \
-            and _gluon_tile_stats(gluon, hidden, weight, tile_stats[0], tile_stats[1], device, *exp_args):
+    buffer = shifted_out if mode == K.MODE_STATS_AND_EXP else None  # mode 0 stores none
+    if gluon is not None and gluon.applies(hidden, weight, buffer) and _gluon_tile_stats(
+            gluon, hidden, weight, tile_stats[0], tile_stats[1], device, row_ref, loss_grad, buffer):
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
