@@ -35,7 +35,16 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROOT, ROWS, GpuSampler, environment, load_flce, make_inputs, make_method  # noqa: E402
+from bench import (  # noqa: E402
+    ROOT,
+    ROWS,
+    GpuSampler,
+    environment,
+    ignore_fraction,
+    load_flce,
+    make_inputs,
+    make_method,
+)
 
 
 def package():
@@ -49,10 +58,12 @@ def package():
 
 
 def step_chunks(rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """[(start, end)] of a training step's chunks when all ``rows`` have a loss (the package's plan)."""
-    chunked, _, backend = package()
-    chunk = backend.chunk_rows(rows, vocab_size, dtype, True, hidden_size=hidden_size)
-    return list(chunked._spans(rows, chunk, None, min(chunk, rows)))
+    """[(start, end)] of a training step's chunks when all ``rows`` have a loss (the package's plan:
+    a first chunk of the most rows, then the rest spread in whole row blocks of its sweep)."""
+    chunked, options, backend = package()
+    row_block = backend.row_block(dtype, options.LossOptions(), False, True, False, torch.device("cuda"))
+    chunk = backend.chunk_rows(rows, vocab_size, dtype, True, spread=False, hidden_size=hidden_size)
+    return list(chunked._spans(rows, chunk, None, min(chunk, rows), row_block))
 
 
 def skeleton(hidden, weight, chunks, parts=("logits", "grad_hidden", "grad_weight"), transposed=False):
@@ -157,7 +168,8 @@ def main():
     for head in args.heads.split(","):
         hidden_size, vocab_size, n_tokens, _ = ROWS[head]
         for kind in args.inputs.split(","):
-            hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, torch.bfloat16, kind)
+            hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, torch.bfloat16, kind,
+                                                  ignored_share=ignore_fraction(head))
             valid = targets != -100
             hidden, targets = hidden[valid].contiguous(), targets[valid].contiguous()
             rows = hidden.shape[0]

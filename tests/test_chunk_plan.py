@@ -192,9 +192,29 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
     # too, not a whole chunk of 4032 with 346 ignored rows in it
     assert _plan(flce, 4096, 4032, 3686, training=False, row_block=192) == (2112, [(0, 2112), (2112, 3686)])
     assert _plan(flce, 6000, 4032, 5400, training=False, row_block=192) == (3072, [(0, 3072), (3072, 5400)])
-    # a training step plans in the logit kernel's 128-row blocks whatever the forward's tile
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1408
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096, row_block=192) == 1536
+
+
+def test_a_training_step_in_192_row_tiles_spreads_its_chunks_in_whole_tiles(flce, monkeypatch):
+    """A step's largest chunk is the memory's (1536 rows here, whatever the tile); after the
+    first, the rows are spread in whole tiles of the sweep. Llama-2's head, every one of 8192
+    targets counted: in 128-row blocks four chunks of 1408 and one of 1024 after the first, tiles
+    of 192 rows 8 + 4 x 8 + 6 = 46 a vocabulary tile; in 192-row tiles four of 1344 (7 tiles) and
+    one of 1280, 8 + 5 x 7 = 43, the fewest 8192 rows take. Without an order (every row in place) the spread
+    chunk is 1536 in 192s (six chunks: 43 tiles) and 1408 in 128s."""
+    for name in ("FLCE_CHUNK_ROWS", "FLCE_BUFFER_MIB", "FLCE_WORKING_SET_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    backend = submodule(flce, "_triton_backend")
+    for row_block in (128, 192):
+        assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096,
+                                  row_block=row_block) == 1536
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=128) == 1408
+    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1536
+    first, spans = _plan(flce, 8192, 1536, 8192, training=True, row_block=128)
+    assert [end - start for start, end in spans] == [1536, 1408, 1408, 1408, 1408, 1024]
+    assert sum(math.ceil((end - start) / 192) for start, end in spans) == 46
+    first, spans = _plan(flce, 8192, 1536, 8192, training=True, row_block=192)
+    assert [end - start for start, end in spans] == [1536, 1344, 1344, 1344, 1344, 1280]
+    assert sum(math.ceil((end - start) / 192) for start, end in spans) == math.ceil(8192 / 192) == 43
 
 
 def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
@@ -208,10 +228,11 @@ def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
 
 def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce, monkeypatch):
     """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
-    Hopper device: a 16-bit forward of plain logits plans in its 192-row tiles; gradients,
-    metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs or the tiles' own target
-    pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128 rows. z-loss does not change the
-    statistics, so it keeps the Gluon tiles."""
+    Hopper device: a 16-bit forward of plain logits, and a bf16 training step's factored sweep,
+    plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs
+    or the tiles' own target pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128 rows. z-loss
+    does not change the forward's statistics, so it keeps the Gluon tiles there; a step with it
+    is not factored."""
     backend = submodule(flce, "_triton_backend")
     options = submodule(flce, "_options").LossOptions
 
@@ -230,11 +251,21 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
         return backend.row_block(dtype, options(**opts), has_bias, training, return_metrics, cuda)
 
     assert block() == 192 and block(torch.float16) == 192 and block(z_loss_scale=1e-4) == 192
-    assert block(training=True) == block(return_metrics=True) == block(has_bias=True) == 128
+    assert block(return_metrics=True) == block(has_bias=True) == 128
     assert block(logit_scale=0.5) == block(softcap=30.0) == block(label_smoothing=0.1) == 128
     assert block(torch.float32) == 128
+    # a training step's factored sweep (bf16, no z-loss: fp16 and z-loss are not factored)
+    assert block(training=True) == 192
+    assert block(training=True, z_loss_scale=1e-4) == block(torch.float16, training=True) == 128
+    assert block(training=True, return_metrics=True) == 128
+    monkeypatch.setenv("FLCE_TRAINING_ROW_BLOCK", "128")
+    assert block(training=True) == 128 and block() == 192
+    monkeypatch.delenv("FLCE_TRAINING_ROW_BLOCK")
+    monkeypatch.setenv("FLCE_GLUON_TRAINING", "0")
+    assert block(training=True) == 128 and block() == 192
+    monkeypatch.delenv("FLCE_GLUON_TRAINING")
     monkeypatch.setenv("FLCE_TILE_TARGET", "0")
-    assert block() == 128
+    assert block() == block(training=True) == 128
 
 
 def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):

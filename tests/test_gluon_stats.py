@@ -215,6 +215,28 @@ def test_a_training_step_takes_the_gluon_sweep_where_asked(flce, monkeypatch, n,
         assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {what}")
 
 
+@pytest.mark.parametrize("row_block", ["192", "128"])
+def test_a_training_step_spreads_its_chunks_in_the_sweeps_tiles(flce, monkeypatch, row_block):
+    """Chunks of at most 768 rows (FLCE_CHUNK_ROWS): the first takes 768, and the rest of the
+    rows with a loss are spread over as few chunks as they need, every one but the last in
+    whole 192-row tiles of the Gluon sweep (FLCE_TRAINING_ROW_BLOCK=128: the logit kernel's 128);
+    the gradients stay float64's."""
+    hidden, weight, targets, _ = make_inputs(2000, 128, 1000, torch.bfloat16, seed=17, ignore=0.1)
+    count = int((targets != -100).sum())
+    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
+    rows = _spy_training_sweeps(monkeypatch, flce)
+    with env(FLCE_CHUNK_ROWS="768", FLCE_TRAINING_ROW_BLOCK=row_block):
+        flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
+    block = int(row_block)
+    assert rows[0] == 768 and sum(rows) == count
+    assert len(rows) == 1 + -(-(count - 768) // 768)
+    assert all(r % block == 0 for r in rows[1:-1]) and 0 < rows[-1] <= rows[1]
+    if block == 192:  # and not 128-row blocks (about 1040 rows after the first: 576, then the rest)
+        assert any(r % 128 for r in rows[1:-1]), rows
+    assert_rel(hidden.grad, ref.grad_hidden, tolerance(torch.bfloat16, "grad"), f"grad_hidden, {row_block}")
+    assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {row_block}")
+
+
 @pytest.mark.parametrize("options", [dict(return_metrics=True), dict(z_loss_scale=1e-3), dict(dtype=torch.float16)])
 def test_training_steps_the_gluon_sweep_cannot_take_use_the_logit_kernel(flce, monkeypatch, options):
     """With FLCE_GLUON_TRAINING=1, metrics (the entropy and argmax of each tile), z-loss and

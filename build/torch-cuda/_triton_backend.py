@@ -112,10 +112,11 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     then the fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
     grad_weight's product, beside that block: H x (element size + 4)); the forward
     alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
-    ``n_rows`` are then spread evenly over the chunks (in multiples of 128), so that no small
-    last chunk runs at a loss; without it (the rows to compute are not known yet) the
-    largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards`` times the rows.
-    A forward's chunks are whole ``row_block``s (``row_block``: the sweep's rows a tile)."""
+    ``n_rows`` are then spread evenly over the chunks (in whole ``row_block``s: the sweep's rows
+    a tile), so that no small last chunk runs at a loss; without it (the rows to compute are not
+    known yet) the largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards``
+    times the rows. A forward's largest chunk is whole ``row_block``s too; training's is the
+    memory's (a multiple of 128)."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
         element_size = torch.finfo(dtype).bits // 8
@@ -133,16 +134,22 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     if not spread:
         return most
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
-    block = 128 if training else row_block
-    return min(most, triton.cdiv(per_chunk, block) * block)
+    return min(most, triton.cdiv(per_chunk, row_block) * row_block)
 
 
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
               device: torch.device) -> int:
-    """Rows a tile of the forward's statistics sweeps, in which its chunks are planned: 192
-    where ``_gluon_stats`` computes them (``_gluon_sweep``; training's sweeps never do), 128
-    (the logit kernel's) elsewhere."""
-    gluon = None if training else _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
+    """Rows a tile of the statistics sweeps, in which the chunks are planned: 192 where
+    ``_gluon_stats`` computes them (``_gluon_sweep``: a forward's, or a training step's factored
+    sweep with ``_gluon_training``), 128 (the logit kernel's) elsewhere. A tile's rows past a
+    chunk's end cost as much as the others: Llama-2's 8192 rows, every target counted, spread
+    in 128s took 46 tiles of 192 rows a vocabulary tile, in 192s 43. FLCE_TRAINING_ROW_BLOCK
+    sets a step's (exploration)."""
+    if training:
+        factored = _gluon_training() and factored_gradient(dtype, opts, has_bias)
+        gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device) if factored else None
+        return env_int("FLCE_TRAINING_ROW_BLOCK", 128 if gluon is None else gluon.BLOCK_N)
+    gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
     return 128 if gluon is None else gluon.BLOCK_N
 
 
