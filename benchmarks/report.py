@@ -8,6 +8,7 @@ Every method found in the JSON is shown, the peers in a known order first.
 """
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -61,6 +62,43 @@ def load():
 def no_ignored_rows(latest) -> list[str]:
     """The main heads' rows with every target counted (bench.py's "-no-ignored" rows) measured."""
     return [f"{row}-no-ignored" for row in MAIN_ROWS if (f"{row}-no-ignored", "lm", OURS) in latest]
+
+
+def _version(name: str) -> str | None:
+    """The kernel version a run's file is named for (``h200-v18-main.json``: v18), or None."""
+    found = re.search(r"-(v\d+)[-.]", name)
+    return found.group(1) if found else None
+
+
+def step_ratio_runs():
+    """[(file, version, date, {(row, inputs): step ratio})] of every recorded run, the history's
+    too, oldest first: each main row's step time over the fastest peer's in that run, where
+    torch.compile ran beside this kernel."""
+    paths = sorted(RESULTS.glob("h200-*.json")) + sorted((RESULTS / "history").glob("h200-*.json"))
+    found = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        steps = {}
+        for r in data["results"]:
+            if r.get("step_ms"):
+                steps.setdefault((r["row"], r["inputs"]), {})[r["method"]] = r["step_ms"]
+        ratios = {key: by[OURS] / min(ms for method, ms in by.items() if method != OURS)
+                  for key, by in steps.items() if key[0] in MAIN_ROWS and OURS in by and "torch.compile" in by}
+        if ratios:
+            found.append((path.name, _version(path.name), data["environment"]["date"], ratios))
+    return sorted(found, key=lambda run: run[2])
+
+
+def step_ratio_section(runs) -> str:
+    """Each run's step ratios on the main rows, newest first, marked against the target."""
+    columns = [(row, inputs) for row in MAIN_ROWS for inputs in ("lm", "uniform")]
+    lines = ["| run | date | " + " | ".join(f"{row} ({inputs})" for row, inputs in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name, _, date, ratios in reversed(runs):
+        cells = [f"{ratios[key]:.3f} {'✓' if ratios[key] <= STEP_TARGET else '✗'}" if key in ratios else "—"
+                 for key in columns]
+        lines.append(f"| `{name}` | {date[:16]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def parts_runs():
@@ -400,9 +438,8 @@ def summary(latest):
         f"{_listing(step, '.3f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.3f', '×')} on "
         f"uniform ones); against the fastest forward ({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the "
         f"forward runs at {_listing(fwd, '.2f', '×')} its speed. These are one run's ratios: the card runs at its "
-        f"power cap, where a warmer card or another machine moves a compute-bound step more than a peer's, so "
-        f"repeated runs on another machine put the Llama-2 head's a few hundredths higher (docs/perf-notes.md, "
-        f"run 57).")
+        f"power cap, where a warmer card or another machine moves a compute-bound step more than a peer's"
+        f"{_version_spread(latest)}.")
     every_target = no_ignored_rows(latest)
     if every_target:
         step_all = {row: ratio(row, "step_ms") for row in every_target}
@@ -440,6 +477,20 @@ def summary(latest):
                  f"measurement, first call and timing included, took {min(walls):.0f} to {max(walls):.0f} s. Later "
                  f"calls reuse the compiled kernels; a new N (batch or sequence length) does not retune.")
     return text
+
+
+def _version_spread(latest) -> str:
+    """Where the runs of the latest main rows' version put each head's step ratio, as a clause
+    ("" with one run of it)."""
+    version = _version(latest[(MAIN_ROWS[0], "lm", OURS)]["_file"]) if (MAIN_ROWS[0], "lm", OURS) in latest else None
+    runs = [run for run in step_ratio_runs() if version and run[1] == version]
+    if len(runs) < 2:
+        return ""
+    spans = {row: [ratios[(row, inputs)] for *_, ratios in runs for inputs in ("lm", "uniform")
+                   if (row, inputs) in ratios] for row in MAIN_ROWS}
+    listing = ", ".join(f"{min(v):.3f}–{max(v):.3f} ({row})" for row, v in spans.items() if v)
+    return (f"; the {len(runs)} runs of {version} (BENCHMARKS.md, \"The step ratio run by run\") put it at "
+            f"{listing}, both kinds of inputs")
 
 
 def readme_table(latest):
@@ -638,6 +689,13 @@ def main():
                   "products); their rate counts 6·n·V·H flops over the n rows each method computes (this kernel "
                   "skips the rows whose target is ignored). The other kernels are the softmax and memory passes "
                   "and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
+    ratio_runs = step_ratio_runs()
+    if ratio_runs:
+        parts += ["", "## The step ratio run by run", "",
+                  "Every recorded run (`benchmarks/results/` and its `history/`) that timed torch.compile beside "
+                  "this kernel on a main head, newest first: the step time over the fastest peer's in that run "
+                  f"(target ≤ {STEP_TARGET}). Each run is one machine at its power cap; the kernel changed between "
+                  "versions (docs/perf-notes.md).", "", step_ratio_section(ratio_runs)]
     parts_data = parts_runs()
     if parts_data:
         parts += ["", "## At the power cap: the step against cuBLAS skeletons of its products", "",
