@@ -9,6 +9,7 @@ FLCE_TEST_INDUCTOR=1.
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -115,3 +116,26 @@ def test_compiled_model_with_fused_loss_matches_eager(flce, monkeypatch, path):
     assert_grads_close(model, grads(eager), rel=1e-6 if BACKEND == "aot_eager" else 2e-5)
     for key, value in ref.metrics.items():
         torch.testing.assert_close(out.metrics[key], value, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ["interpreter", "torch"])
+def test_a_compiled_loss_guards_on_no_module_table(flce, device, monkeypatch, path):
+    """The DTensor and FSDP checks read their modules off ``torch.distributed``, not
+    ``sys.modules``: dynamo would trace that as a dict of every loaded module and guard on it (a
+    recompile at any import, and a failed compile when an import grows it mid-trace). A patched
+    tiny Llama's loss goes through both checks."""
+    pytest.importorskip("transformers")
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
+    elif path == "interpreter":
+        pytest.skip("the interpreter path is the CPU stand-in for the Triton kernels")
+    model = flce.patch_forward(tiny_causal_lm("llama-tied")).to(device)
+    batch = {k: v.to(device) for k, v in tiny_batch(model).items()}
+    hidden, weight, _, targets = _leaves(device)
+    for fn, args in ((lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t), (hidden, weight, targets)),
+                     (lambda b: model(**b).loss, (batch,))):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*args)
+        assert explained.graph_break_count == 0
+        names = [guard.name for guard in explained.out_guards]  # e.g. "G['__import_sys'].modules"
+        assert names and not [name for name in names if re.search(r"sys\W*\.modules", name)], names

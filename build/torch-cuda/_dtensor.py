@@ -11,7 +11,6 @@ tensors, or ``Replicate()`` DTensors when ``hidden`` is a DTensor. Whether the r
 same targets is checked (one all-reduce of a fingerprint) whenever the targets' range is.
 """
 
-import sys
 
 import torch
 from torch import Tensor
@@ -27,9 +26,10 @@ SUPPORTED = (
 
 
 def _dtensor_module():
-    # A DTensor exists only once torch.distributed.tensor is imported: no import (half a second)
-    # for plain tensors.
-    return sys.modules.get("torch.distributed.tensor")
+    # A DTensor exists only once torch.distributed.tensor is imported (which sets it on its
+    # package): no import (half a second) for plain tensors. Not sys.modules: torch.compile would
+    # trace that as a dict of every module, guard on it, and fail when an import grows it meanwhile.
+    return getattr(torch.distributed, "tensor", None)
 
 
 def has_dtensor(*tensors) -> bool:

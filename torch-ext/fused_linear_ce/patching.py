@@ -9,12 +9,12 @@ has no Python dependencies. ``patch_forward`` also takes a model class, or a mod
 
 import functools
 import inspect
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .causal_lm import causal_lm_loss
@@ -150,7 +150,9 @@ def _output_head_loss(lm_head, hidden: Tensor, loss: Callable):
     as for the logits. A DTensor weight of tensor parallelism (``ColwiseParallel``) is read as is:
     the loss takes it as vocabulary parallelism.
     """
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard was called
+    # imported wherever fully_shard was called (read off its package, not sys.modules, which
+    # torch.compile would trace and guard on whole: _dtensor._dtensor_module)
+    fsdp = getattr(torch.distributed, "fsdp", None)
     if fsdp is None or not isinstance(lm_head, getattr(fsdp, "FSDPModule", ())):
         return loss(hidden, lm_head_weight=lm_head.weight, lm_head_bias=lm_head.bias)
     own_forward = vars(lm_head).get("forward")  # an instance's forward (accelerate's hooks), if any
