@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._kernels import REFERENCE_GAP
+from ._kernels import LOG2E, REFERENCE_GAP
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -142,7 +142,7 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     if STORE_EXP:
         row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
         reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
-    exp_shifted = gl.exp(acc - reference[:, None])
+    exp_shifted = gl.exp2((acc - reference[:, None]) * LOG2E)  # as the logit kernel (``_kernels.LOG2E``)
     sum_exp = gl.sum(exp_shifted, axis=1)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
     gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
