@@ -148,8 +148,15 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
     gl.store(tile_sum_ptr + stat, sum_exp, mask=row_mask)
     if STORE_EXP:
-        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=0.0)
-        exp_shifted = gl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=1.0)
+        no_grad = loss_grad == 0.0
+        # Zeros on the rows without gradient, only where this warpgroup has such a row (few do: a
+        # step's ignored rows come last in its order, where only a chunk planned before their
+        # count is known reaches them). Unconditional, the select is moved past the 16-bit
+        # conversion by the compiler, which then unpacks each pair of values to select them one
+        # by one: about two instructions an element.
+        if gl.max(no_grad.to(gl.int32), axis=0) > 0:
+            exp_shifted = gl.where(no_grad[:, None], 0.0, exp_shifted)
         buffer_desc = out[4]
         _store_halves(exp_shifted.to(buffer_desc.dtype), buffer_desc, out[5].index(which), first_row,
                       pid_v * BLOCK_V)

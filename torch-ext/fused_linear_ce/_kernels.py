@@ -369,8 +369,13 @@ def _logit_tile_kernel(
                 logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
             if MODE == MODE_STATS_AND_EXP:
-                loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-                tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+                # Zeros on the rows without gradient, only in a tile that has such a row (see
+                # _gluon_stats._tile_epilogue): an unconditional select is moved past the 16-bit
+                # conversion by the compiler, which then unpacks each pair of values for it.
+                no_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=1.0) == 0.0
+                tile_out = exp_shifted
+                if tl.max(no_grad.to(tl.int32), axis=0) > 0:
+                    tile_out = tl.where(no_grad[:, None], 0.0, exp_shifted)
             elif PICK_TARGET:
                 # The target's logit from this tile's product, like the lse's terms: the two
                 # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3,
