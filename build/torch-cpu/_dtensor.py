@@ -11,7 +11,6 @@ tensors, or ``Replicate()`` DTensors when ``hidden`` is a DTensor. Whether the r
 same targets is checked (one all-reduce of a fingerprint) whenever the targets' range is.
 """
 
-
 import torch
 from torch import Tensor
 
