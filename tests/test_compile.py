@@ -129,8 +129,9 @@ def test_a_compiled_loss_guards_on_no_module_table(flce, device, monkeypatch, pa
         monkeypatch.setenv("TRITON_INTERPRET", PATHS[path])
     elif path == "interpreter":
         pytest.skip("the interpreter path is the CPU stand-in for the Triton kernels")
-    model = flce.patch_forward(tiny_causal_lm("llama-tied")).to(device)
-    batch = {k: v.to(device) for k, v in tiny_batch(model).items()}
+    model = tiny_causal_lm("llama-tied")
+    batch = {k: v.to(device) for k, v in tiny_batch(model).items()}  # labels from the CPU model
+    model = flce.patch_forward(model).to(device)
     hidden, weight, _, targets = _leaves(device)
     for fn, args in ((lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t), (hidden, weight, targets)),
                      (lambda b: model(**b).loss, (batch,))):

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._kernels import REFERENCE_GAP
+from ._kernels import LOG2E, REFERENCE_GAP
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -142,14 +142,21 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     if STORE_EXP:
         row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
         reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
-    exp_shifted = gl.exp(acc - reference[:, None])
+    exp_shifted = gl.exp2((acc - reference[:, None]) * LOG2E)  # as the logit kernel (``_kernels.LOG2E``)
     sum_exp = gl.sum(exp_shifted, axis=1)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
     gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
     gl.store(tile_sum_ptr + stat, sum_exp, mask=row_mask)
     if STORE_EXP:
-        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=0.0)
-        exp_shifted = gl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=1.0)
+        no_grad = loss_grad == 0.0
+        # Zeros on the rows without gradient, only where this warpgroup has such a row (few do: a
+        # step's ignored rows come last in its order, where only a chunk planned before their
+        # count is known reaches them). Unconditional, the select is moved past the 16-bit
+        # conversion by the compiler, which then unpacks each pair of values to select them one
+        # by one: about two instructions an element.
+        if gl.max(no_grad.to(gl.int32), axis=0) > 0:
+            exp_shifted = gl.where(no_grad[:, None], 0.0, exp_shifted)
         buffer_desc = out[4]
         _store_halves(exp_shifted.to(buffer_desc.dtype), buffer_desc, out[5].index(which), first_row,
                       pid_v * BLOCK_V)

@@ -75,6 +75,11 @@ NO_INDEX = tl.constexpr(2147483647)
 # reference: e^40 ~ 2e17 keeps every stored exponential, and products of them with the weights,
 # far inside bf16's and fp32's range.
 REFERENCE_GAP = tl.constexpr(40.0)
+# exp(x) as exp2(x * LOG2E): on NVIDIA GPUs the same product (LOG2E rounded to fp32) and the same
+# ex2.approx instruction as tl.exp, without tl.exp's path for results below 2^-126 (exp2's is the
+# .ftz form: they flush to 0, far under the sums' rounding and the 16-bit buffer's). The sweeps'
+# epilogues then take one fp32 multiply an element where tl.exp takes three and a compare.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 # A row's take_out flag (``_factor_rows``): its target entry stays in the bf16 products (0), leaves
 # them (OUT_ALWAYS: a rare target), or leaves them where p_t < RARE_PROBABILITY (OUT_IF_IMPROBABLE:
@@ -345,7 +350,7 @@ def _logit_tile_kernel(
                 row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
             reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=MODE == MODE_STATS_AND_EXP)
             tile_out = logits - reference[:, None]  # z - m (<= 0 unless m is the row's reference)
-            exp_shifted = tl.exp(tile_out)
+            exp_shifted = tl.exp2(tile_out * LOG2E)
             sum_exp = tl.sum(exp_shifted, axis=1)
             stat_offs = offs_n64 * num_tiles + pid_v
             tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
@@ -364,8 +369,13 @@ def _logit_tile_kernel(
                 logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
                 tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
             if MODE == MODE_STATS_AND_EXP:
-                loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-                tile_out = tl.where((loss_grad != 0.0)[:, None], exp_shifted, 0.0)
+                # Zeros on the rows without gradient, only in a tile that has such a row (see
+                # _gluon_stats._tile_epilogue): an unconditional select is moved past the 16-bit
+                # conversion by the compiler, which then unpacks each pair of values for it.
+                no_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=1.0) == 0.0
+                tile_out = exp_shifted
+                if tl.max(no_grad.to(tl.int32), axis=0) > 0:
+                    tile_out = tl.where(no_grad[:, None], 0.0, exp_shifted)
             elif PICK_TARGET:
                 # The target's logit from this tile's product, like the lse's terms: the two
                 # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3,
