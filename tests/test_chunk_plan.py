@@ -300,3 +300,83 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     assert flags() == expected(0, 3)
     monkeypatch.setenv("FLCE_RARE_TARGET", "-1")  # no rule: no flags at all
     assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None
+
+
+GROWTH_KNOBS = ("FLCE_CHUNK_ROWS", "FLCE_BUFFER_MIB", "FLCE_WORKING_SET_ROWS", "FLCE_GROW_CHUNKS",
+                "FLCE_WEIGHT_GROUP", "FLCE_WEIGHT_FP32_MIB")
+
+
+def _step_chunk(flce, n_rows, vocab_size, hidden_size, dtype=torch.bfloat16, weight_grad=True, row_block=192,
+                shard=None):
+    chunked = submodule(flce, "_chunked")
+    backend = submodule(flce, "_triton_backend")
+    return chunked._plan_chunk(backend, n_rows, vocab_size, hidden_size, dtype, True, shard, spread=False,
+                               row_block=row_block, weight_grad=weight_grad)
+
+
+def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memory(flce, monkeypatch):
+    """Llama-3's head (4096, 128256), bf16: a chunk of 1536 rows keeps 1536 x (256512 + 16384) =
+    419 MB, and past 8 chunks grad_weight's fp32 sum adds V x H x 4 = 2101 MB. 32768 rows in 8
+    chunks take ceil(4096 / 192) = 22 tiles, 4224 rows: 1153 MB (buffer 1083 MB < 2101): grown.
+    16384 rows: 2112 (11 tiles). 12288 rows fit 8 chunks of 1536: no sum, no growth. 65536 rows:
+    8256 rows a chunk would hold a buffer of 2118 MB, more than the sum: 1536. Gemma-2's head
+    (2304, 256000) at 49152 rows: 6144 rows' buffer is 3146 MB against a sum of 2359: 1536; at
+    32768, 4224 rows (2163 MB of buffer)."""
+    for name in GROWTH_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    assert _step_chunk(flce, 32768, 128256, 4096) == 4224
+    assert _step_chunk(flce, 32768, 128256, 4096, row_block=128) == 4096
+    assert _step_chunk(flce, 16384, 128256, 4096) == 2112
+    assert _step_chunk(flce, 12288, 128256, 4096) == 1536
+    assert _step_chunk(flce, 65536, 128256, 4096) == 1536
+    assert _step_chunk(flce, 49152, 256000, 2304) == 1536
+    assert _step_chunk(flce, 32768, 256000, 2304) == 4224
+    # Llama-2's head at 32768 rows: 4224 x 80384 = 340 MB, within 1536 x 80384 + 524 MB
+    assert _step_chunk(flce, 32768, 32000, 4096) == 4224
+    # the grown chunk's memory is at most the planned chunk's and the fp32 sum's
+    backend = submodule(flce, "_triton_backend")
+    for n_rows, vocab_size, hidden_size in ((32768, 128256, 4096), (16384, 128256, 4096), (32768, 256000, 2304)):
+        grown = _step_chunk(flce, n_rows, vocab_size, hidden_size)
+        planned = backend.chunk_bytes(1536, vocab_size, torch.bfloat16, hidden_size) + vocab_size * hidden_size * 4
+        assert backend.chunk_bytes(grown, vocab_size, torch.bfloat16, hidden_size) <= planned
+        assert math.ceil(n_rows / grown) == 8
+
+
+def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, monkeypatch):
+    """No growth without grad_weight, for fp32 inputs (their grad_weight is its own sum), with
+    FLCE_GROW_CHUNKS=0, with FLCE_CHUNK_ROWS set (a cap), with groups larger than the chunks
+    (FLCE_WEIGHT_GROUP=1000: no fp32 sum), or for a small head summed in fp32 from the start (its
+    V x H x 4 bytes within 64 MiB); on the PyTorch backend, whose chunks never grow."""
+    for name in GROWTH_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    backend = submodule(flce, "_triton_backend")
+
+    def planned(vocab_size, hidden_size, dtype=torch.bfloat16):
+        return backend.chunk_rows(32768, vocab_size, dtype, True, spread=False, hidden_size=hidden_size,
+                                  row_block=192)
+
+    assert _step_chunk(flce, 32768, 128256, 4096, weight_grad=False) == 1536
+    assert _step_chunk(flce, 32768, 128256, 4096, dtype=torch.float32) == planned(128256, 4096, torch.float32)
+    # V x H x 4 = 131 MB, past 64 MiB: 896-row chunks (2048 x 16000 // 32384 = 1011) grow to 4224
+    # (136.8 MB, within 896 x 32384 + 131 MB); 64 MB (8000 x 2000 x 4) is summed in fp32 from the start
+    assert planned(8000, 4096) == 896 and _step_chunk(flce, 32768, 8000, 4096) == 4224
+    assert _step_chunk(flce, 32768, 8000, 2000) == planned(8000, 2000)
+    # no buffer of 2^31 elements or more: a (16384, 256000) head's 131072 rows in 8 chunks of
+    # 16512 would hold 4.23e9 a chunk (8.5 GB, under the 16.8 GB fp32 sum)
+    assert _step_chunk(flce, 131072, 256000, 16384) == backend.chunk_rows(
+        131072, 256000, torch.bfloat16, True, spread=False, hidden_size=16384, row_block=192)
+    monkeypatch.setenv("FLCE_GROW_CHUNKS", "0")
+    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
+    monkeypatch.delenv("FLCE_GROW_CHUNKS")
+    monkeypatch.setenv("FLCE_CHUNK_ROWS", "1536")
+    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
+    monkeypatch.delenv("FLCE_CHUNK_ROWS")
+    monkeypatch.setenv("FLCE_WEIGHT_GROUP", "1000")
+    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
+    monkeypatch.delenv("FLCE_WEIGHT_GROUP")
+    torch_backend = submodule(flce, "_torch_backend")
+    assert torch_backend.chunk_bytes(4096, 128256, torch.bfloat16, 4096) is None
+    chunked = submodule(flce, "_chunked")
+    planned = torch_backend.chunk_rows(32768, 128256, torch.bfloat16, True, spread=False, hidden_size=4096)
+    assert chunked._plan_chunk(torch_backend, 32768, 128256, 4096, torch.bfloat16, True, None, spread=False,
+                               weight_grad=True) == planned

@@ -144,6 +144,45 @@ def test_matches_reference(flce, monkeypatch, case, dtype):
     check_grads((hidden, weight, bias), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES_16)
+@pytest.mark.parametrize("return_lse", [False, True], ids=["step", "recompute"])
+def test_a_step_of_grown_chunks_keeps_no_fp32_sum(flce, monkeypatch, dtype, return_lse):
+    """FLCE_BUFFER_MIB=0 plans 128-row chunks, so 300 rows with groups of two chunks
+    (FLCE_WEIGHT_GROUP=2; the small head's fp32 accumulator off) would take three chunks and an
+    fp32 sum of grad_weight (V x H x 4 = 196608 bytes). They take two instead, of half the rows
+    in whole row blocks (256, or 192 in the Gluon sweep's tiles), whose buffer is smaller than
+    that sum: no fp32 sum is made, and the gradients match float64's. ``return_lse`` takes the
+    recomputing backward, which plans its chunks the same way."""
+    for name, value in dict(FLCE_BUFFER_MIB=0, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0).items():
+        monkeypatch.setenv(name, str(value))
+    for name in ("FLCE_CHUNK_ROWS", "FLCE_GROW_CHUNKS", "FLCE_WORKING_SET_ROWS"):
+        monkeypatch.delenv(name, raising=False)
+    chunked = submodule(flce, "_chunked")
+    sums, original = [], chunked._Gradients._add_weight_chunk
+
+    def spy(self, lhs, rhs):  # (the chunk's rows, whether an fp32 sum exists once it is added)
+        original(self, lhs, rhs)
+        sums.append((lhs.shape[1], self.weight_sum is not None))
+
+    monkeypatch.setattr(chunked._Gradients, "_add_weight_chunk", spy)
+    hidden, weight, targets, _ = make_inputs(300, 192, 256, dtype, seed=300, ignore=0.1)
+    out = flce.fused_linear_cross_entropy(hidden, weight, targets, return_lse=return_lse)
+    loss = out[0] if return_lse else out
+    loss.backward()
+    ref = reference(hidden, weight, targets, None, grad_output=torch.tensor(1.0))
+    assert len(sums) == 2 and not any(has_sum for _, has_sum in sums), sums
+    assert sums[0][0] in (192, 256)
+    assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
+    check_grads((hidden, weight, None), ref, dtype)
+    monkeypatch.setenv("FLCE_GROW_CHUNKS", "0")  # the plan without growth: three chunks, an fp32 sum
+    sums.clear()
+    hidden.grad = weight.grad = None
+    out = flce.fused_linear_cross_entropy(hidden, weight, targets, return_lse=return_lse)
+    (out[0] if return_lse else out).backward()
+    assert len(sums) == 3 and sums[-1][1], sums
+    check_grads((hidden, weight, None), ref, dtype)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_rows_ignored(flce, reduction):
     """Like PyTorch: mean is NaN (0 / 0), sum is 0, none is zeros; the gradients are exactly 0."""

@@ -24,6 +24,11 @@ class Backend(Protocol):
         """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk; a
         forward's in whole ``row_block``s."""
 
+    def chunk_bytes(self, rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int,
+                    shards: int = 1) -> int | None:
+        """Bytes a training chunk of ``rows`` keeps at any time (its buffer and what lives beside
+        it), by the memory model of ``chunk_rows``; None where chunks may not grow past it."""
+
     def row_block(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool,
                   return_metrics: bool, device: torch.device) -> int:
         """Rows a tile of this call's statistics sweeps (128 or more): chunks are planned in them."""

@@ -29,6 +29,11 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // bytes_per_row))
 
 
+def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int, shards: int = 1) -> None:
+    """None: this backend's chunks never grow past ``chunk_rows`` (``_chunked._grown_chunk``)."""
+    return None
+
+
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
               device: torch.device) -> int:
     """Rows in which the forward's chunks are planned: 128 (this backend has no tiles)."""

@@ -105,12 +105,9 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
                spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
     FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
-    set within a quarter of the logits of 8192 rows (FLCE_WORKING_SET_ROWS, 2048 rows' worth; so,
-    on a small vocabulary, fewer rows):
-    the buffer and the hidden-sized blocks alive beside it at any time, H x max(4, 2 x element
-    size) bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone,
-    then the fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
-    grad_weight's product, beside that block: H x (element size + 4)); the forward
+    set (``chunk_bytes``: the buffer and the hidden-sized blocks alive beside it) within a
+    quarter of the logits of 8192 rows (FLCE_WORKING_SET_ROWS, 2048 rows' worth; so, on a small
+    vocabulary, fewer rows; a step of many chunks may then grow them: ``_chunked``); the forward
     alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
     ``n_rows`` are then spread evenly over the chunks (in whole ``row_block``s: the sweep's rows
     a tile), so that no small last chunk runs at a loss; without it (the rows to compute are not
@@ -119,12 +116,11 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     memory's (a multiple of 128)."""
     if training:
         budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
-        element_size = torch.finfo(dtype).bits // 8
-        logit_row = vocab_size * element_size
+        logit_row = vocab_size * (torch.finfo(dtype).bits // 8)
         by_budget = max(128, budget // logit_row // 128 * 128)
-        beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
         share_rows = env_int("FLCE_WORKING_SET_ROWS", 2048)  # a quarter of 8192 rows' logits
-        by_share = max(128, share_rows * shards * logit_row // (logit_row + beside) // 128 * 128)
+        by_share = max(128, share_rows * shards * logit_row
+                       // chunk_bytes(1, vocab_size, dtype, hidden_size, shards) // 128 * 128)
         most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
     else:
         most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
@@ -135,6 +131,17 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
         return most
     per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
     return min(most, triton.cdiv(per_chunk, row_block) * row_block)
+
+
+def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int, shards: int = 1) -> int:
+    """Bytes of a training chunk of ``rows`` at any time (``chunk_rows``' memory model): its
+    logits' buffer [rows, V] in the inputs' dtype, and beside it H x max(4, 2 x element size)
+    bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone, then the
+    fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
+    grad_weight's product, beside that block: H x (element size + 4))."""
+    element_size = torch.finfo(dtype).bits // 8
+    beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
+    return rows * (vocab_size * element_size + beside)
 
 
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
