@@ -41,7 +41,9 @@ def load():
     """Latest result per (row, inputs, method) over the recorded runs (in the order of their
     dates), with its environment; a result without a step anatomy keeps the latest one traced
     (``_anatomy_file`` says from which run), and one without errors the latest errors measured
-    (``_errors_file``: a run that changed no numerics, marked † in the tables)."""
+    (``_errors_file``: a run that changed no numerics, marked † in the tables). An
+    ``anatomy-*.json`` run (bench.py with ``--anatomy-rows``, recorded for its traces alone) gives
+    its anatomies to the latest results of its rows where it is newer, and none of its times."""
     runs, latest = [], {}
     paths = sorted(RESULTS.glob("h200-*.json"))
     for path, data in sorted(((p, json.loads(p.read_text())) for p in paths),
@@ -51,13 +53,20 @@ def load():
             key = (r["row"], r["inputs"], r["method"])
             r = {**r, "_file": path.name, "_matmul": data.get("matmul_tflops")}
             if "anatomy" not in r and "anatomy" in latest.get(key, {}):
-                r.update(anatomy=latest[key]["anatomy"], _anatomy_file=latest[key].get("_anatomy_file"))
+                r.update({k: latest[key][k] for k in ("anatomy", "_anatomy_file", "_anatomy_date")})
             elif "anatomy" in r:
-                r["_anatomy_file"] = path.name
+                r.update(_anatomy_file=path.name, _anatomy_date=data["environment"]["date"])
             if "loss_err" not in r and "error" not in r and "loss_err" in latest.get(key, {}):
                 r.update({k: latest[key][k] for k in ERROR_KEYS},
                          _errors_file=latest[key].get("_errors_file", latest[key]["_file"]))
             latest[key] = r
+    for path in sorted(RESULTS.glob("anatomy-*.json")):
+        data = json.loads(path.read_text())
+        date = data["environment"]["date"]
+        for r in data["results"]:
+            key = (r["row"], r["inputs"], r["method"])
+            if "anatomy" in r and key in latest and latest[key].get("_anatomy_date", "") < date:
+                latest[key].update(anatomy=r["anatomy"], _anatomy_file=path.name, _anatomy_date=date)
     return runs, latest
 
 
@@ -334,9 +343,10 @@ def floor_table(latest, rows, inputs="lm"):
     return "\n".join(lines)
 
 
-# Kernel names of matrix products: this kernel's logit kernel, cuBLAS's (nvjet, sm90 xmma/gemm) and
-# Triton's (torch.compile's mm templates).
-PRODUCT_KERNELS = ("_logit_tile_kernel", "nvjet", "gemm", "xmma", "cutlass", "triton_tem_fused_mm", "mm_")
+# Kernel names of matrix products: this kernel's logit kernels (Triton's, and the Gluon sweep's on
+# Hopper), cuBLAS's (nvjet, sm90 xmma/gemm) and Triton's (torch.compile's mm templates).
+PRODUCT_KERNELS = ("_logit_tile_kernel", "tile_stats_kernel", "nvjet", "gemm", "xmma", "cutlass",
+                   "triton_tem_fused_mm", "mm_")
 
 
 def anatomy_table(latest, rows, inputs="lm"):
@@ -699,10 +709,10 @@ def main():
                   "Three training steps issued back to back under `torch.profiler` (`bench.py --anatomy-rows`): "
                   "the span from the first kernel's start to the last one's end, the time some kernel runs "
                   "(busy), and where it goes, a step. The matrix products are the logit product and the two "
-                  "gradient products (this kernel: its Triton logit kernel and cuBLAS; torch.compile: its "
-                  "products); their rate counts 6·n·V·H flops over the n rows each method computes (this kernel "
-                  "skips the rows whose target is ignored). The other kernels are the softmax and memory passes "
-                  "and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
+                  "gradient products (this kernel: its logit kernel, a Gluon kernel on Hopper, and cuBLAS; "
+                  "torch.compile: its products); their rate counts 6·n·V·H flops over the n rows each method "
+                  "computes (this kernel skips the rows whose target is ignored). The other kernels are the "
+                  "softmax and memory passes and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
     ratio_runs = step_ratio_runs()
     if ratio_runs:
         parts += ["", "## The step ratio run by run", "",

@@ -665,6 +665,84 @@ def test_zero_rows_zeroes_the_given_rows_only(flce, backend_name, dtype):
     assert torch.equal(full, expected)
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_scale_rows_sums_the_parts_of_a_split_product(flce, parts, with_rows):
+    """scale_rows on [parts, rows, C] fp32 parts (strided: a view of a wider block): dst[rows] =
+    r * (the parts' sum) + c * weight[targets], a target out of range or c = 0 adding nothing,
+    against float64 within one fp16 rounding of the result (2^-11) and the fp32 sum's few
+    roundings; rows not written keep their values."""
+    backend = submodule(flce, "_triton_backend")
+    gen = torch.Generator().manual_seed(11 + parts)
+    n_rows, n_cols, vocab = 37, 70, 50
+    src = torch.randn(parts, n_rows, n_cols + 6, generator=gen)[:, :, :n_cols]
+    factor = torch.rand(n_rows, generator=gen) + 0.5
+    target_grad = torch.randn(n_rows, generator=gen)
+    target_grad[5] = 0.0
+    targets = torch.randint(0, vocab, (n_rows,), generator=gen)
+    targets[7] = vocab + 1
+    weight = torch.randn(vocab, n_cols, generator=gen).half()
+    dst_rows = torch.randperm(n_rows + 9, generator=gen)[:n_rows] if with_rows else None
+    dst = torch.randn(n_rows + 9, n_cols, generator=gen).half()
+    expected = dst.double().clone()
+    terms = target_grad.double()[:, None] * weight.double()[targets.clamp(max=vocab - 1)]
+    terms[7] = 0.0
+    value = factor.double()[:, None] * src.double().sum(0) + terms
+    expected[dst_rows if with_rows else torch.arange(n_rows)] = value
+    out = dst.to(DEVICE)
+    backend.scale_rows((src if parts > 1 else src[0]).to(DEVICE), factor.to(DEVICE), out,
+                       None if dst_rows is None else dst_rows.to(DEVICE),
+                       (target_grad.to(DEVICE), targets.to(DEVICE), weight.to(DEVICE)))
+    bound = 2.0 ** -11 * expected.abs() + 8 * 2.0 ** -24 * (value.abs().max() + 1)
+    assert bool(((out.cpu().double() - expected).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])  # the factored gradient's
+def test_a_step_with_a_split_grad_hidden_product(flce, monkeypatch, dtype):
+    """FLCE_HIDDEN_PARTS=4 splits each chunk's grad_hidden product over V = 256 into four
+    batched parts of 64 columns (FLCE_BUFFER_MIB=0: chunks of 128 rows or a Gluon tile's 192),
+    summed by scale_rows (a step's factored gradient; the recomputing backward's grad logits
+    take one product): the gradients match float64's, and grad_hidden is the unsplit
+    step's up to a difference in the fp32 sums' order: within one rounding to bf16 (2^-7) of its
+    largest entry, or for fp32 a few fp32 roundings of the sums over 256 and 64 terms (1e-5);
+    grad_weight, which the split does not touch, is bitwise the same. bf16's V = 250 does not
+    split (250 is no multiple of 32), nor V = 272 in bf16 (68-column parts); fp32 splits 272."""
+    monkeypatch.setenv("FLCE_BUFFER_MIB", "0")
+    for name in ("FLCE_CHUNK_ROWS", "FLCE_WORKING_SET_ROWS", "FLCE_HIDDEN_PARTS"):
+        monkeypatch.delenv(name, raising=False)
+    chunked = submodule(flce, "_chunked")
+    shapes, original = [], chunked._mm_f32_parts
+
+    def spy(a, b, parts):
+        out = original(a, b, parts)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(chunked, "_mm_f32_parts", spy)
+    hidden, weight, targets, _ = make_inputs(300, 48, 256, dtype, seed=301, ignore=0.1)
+
+    def step():
+        hidden.grad = weight.grad = None
+        flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
+        return hidden.grad.clone(), weight.grad.clone()
+
+    whole = step()
+    assert shapes and all(len(shape) == 2 for shape in shapes), shapes
+    monkeypatch.setenv("FLCE_HIDDEN_PARTS", "4")
+    shapes.clear()
+    split = step()
+    assert len(shapes) >= 2 and all(len(shape) == 3 and shape[0] == 4 for shape in shapes), shapes
+    ref = reference(hidden, weight, targets, None, grad_output=torch.tensor(1.0))
+    check_grads((hidden, weight, None), ref, dtype)
+    assert_rel(split[0], whole[0], 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5, "grad_hidden split against whole")
+    assert torch.equal(split[1], whole[1])
+    backend = submodule(flce, "_triton_backend")
+    assert backend.hidden_product_parts(256, 48, dtype) == 4
+    assert backend.hidden_product_parts(250, 48, dtype) == 1
+    assert backend.hidden_product_parts(272, 48, torch.bfloat16) == 1  # 68 columns a part: 136 bytes
+    assert backend.hidden_product_parts(272, 48, torch.float32) == 4  # 272 bytes
+
+
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_rows", [False, True])
 @pytest.mark.parametrize("n_rows,vocab", [(40, 12), (300, 40000)], ids=["int16-keys", "int32-keys-strided"])

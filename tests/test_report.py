@@ -62,3 +62,29 @@ def test_the_step_energy_gets_a_column_where_recorded(report):
     assert cells == [cells[0]] * len(cells)
     without = {key: {k: v for k, v in r.items() if k != "step_joules"} for key, r in latest.items()}
     assert "step J" not in report.table(without, ["llama3"], "lm")
+
+
+def test_an_anatomy_run_gives_its_traces_and_none_of_its_times(report, tmp_path, monkeypatch):
+    """An ``anatomy-*.json`` run newer than the latest results of a row gives them its anatomy
+    (named in the table) and leaves their times, which stay the same run's as the peers'; an
+    older one gives nothing."""
+    import json
+
+    for path in report.RESULTS.glob("h200-*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    _, before = report.load()
+    ours = before[("llama2", "lm", report.OURS)]
+    anatomy = {"span_ms": 1.0, "busy_ms": 0.5, "kernel_ms": {"nvjet_x": 0.25}, "kernels_per_step": 1.0}
+    trace = {**ours, "step_ms": 1.0, "fwd_ms": 0.5, "anatomy": anatomy}
+    trace = {k: v for k, v in trace.items() if not k.startswith("_")}
+    newer = {"environment": {"date": "9999-01-01T00:00:00+00:00"}, "results": [trace]}
+    (tmp_path / "anatomy-new.json").write_text(json.dumps(newer))
+    _, latest = report.load()
+    r = latest[("llama2", "lm", report.OURS)]
+    assert r["anatomy"] == anatomy and r["_anatomy_file"] == "anatomy-new.json"
+    assert (r["step_ms"], r["fwd_ms"], r["_file"]) == (ours["step_ms"], ours["fwd_ms"], ours["_file"])
+    assert "(anatomy-new.json)" in report.anatomy_table(latest, ["llama2"])
+    (tmp_path / "anatomy-new.json").write_text(json.dumps({**newer, "environment": {"date": "1999-01-01"}}))
+    _, latest = report.load()
+    assert latest[("llama2", "lm", report.OURS)].get("_anatomy_file") == ours.get("_anatomy_file")
