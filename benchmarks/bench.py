@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -266,9 +267,9 @@ def joules_per_step(step, step_ms: float, seconds: float = 0.5) -> float | None:
     return (read() - start) / steps
 
 
-def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
-    """fwd ms, step ms (and the GPU's clock and power meanwhile), peak MiB of a step and of a
-    forward, and errors for one method."""
+def _calls(fn, hidden, weight, targets):
+    """(step, fwd, h, w): a method's training step (forward and backward) and evaluation forward
+    on leaf copies h, w of the inputs."""
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
 
@@ -280,6 +281,23 @@ def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
         with torch.no_grad():
             fn(h, w, targets)
 
+    return step, fwd, h, w
+
+
+def retime(fn, hidden, weight, targets, rep_ms, warmup_ms) -> tuple[float, float]:
+    """(fwd ms, step ms) of a method that ``measure`` has run (compiled, tuned): the same
+    do_bench medians after the same warm-up, for a later lap."""
+    step, fwd, h, w = _calls(fn, hidden, weight, targets)
+    fwd_ms = do_bench(fwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    step_ms = do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    h.grad = w.grad = None
+    return fwd_ms, step_ms
+
+
+def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
+    """fwd ms, step ms (and the GPU's clock and power meanwhile), peak MiB of a step and of a
+    forward, and errors for one method."""
+    step, fwd, h, w = _calls(fn, hidden, weight, targets)
     step()  # compile, autotune
     fwd()
     torch.cuda.synchronize()
@@ -378,6 +396,9 @@ def main():
     parser.add_argument("--anatomy-rows", default="",
                         help="rows whose training step is traced (torch.profiler) for this kernel and torch.compile: "
                              "each kernel's ms, busy time against the span of three steps")
+    parser.add_argument("--laps", type=int, default=1,
+                        help="times each method is timed on a row, the methods' order reversed every other "
+                             "lap; fwd_ms and step_ms are the laps' medians (each lap's in *_ms_laps)")
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     args = parser.parse_args()
 
@@ -409,6 +430,7 @@ def main():
                     "mean_entropy": metrics["entropy_sum"].item() / n_valid,
                     "top1_accuracy": metrics["num_correct_tokens"].item() / n_valid}
             flops = 2 * n_tokens * vocab_size * hidden_size
+            entries = {}
             for name, fn in methods:
                 t0 = time.time()
                 try:
@@ -425,8 +447,13 @@ def main():
                     out["step_tflops_6nvh"] = 3 * flops / out["step_ms"] / 1e9
                 out["wall_s"] = time.time() - t0
                 entry = {**info, "method": name, **out}
+                entries[name] = entry
                 result["results"].append(entry)
                 print(json.dumps(entry), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(result, indent=1))
+            if args.laps > 1:
+                later_laps(methods, entries, (hidden, weight, targets), args, flops)
                 if args.out:
                     Path(args.out).write_text(json.dumps(result, indent=1))
             del hidden, weight, targets, ref
@@ -434,6 +461,31 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
+
+
+def later_laps(methods, entries, inputs, args, flops):
+    """Laps 2 to ``args.laps`` of a row: each method timed again (``retime``), the order of the
+    first lap reversed in the even laps so that a drift of the GPU's clock over the row weighs on
+    every method alike; each entry's fwd_ms and step_ms become the medians of its laps."""
+    for lap in range(2, args.laps + 1):
+        for name, fn in (reversed(methods) if lap % 2 == 0 else methods):
+            entry = entries[name]
+            if "error" in entry:
+                continue
+            entry.setdefault("fwd_ms_laps", [entry["fwd_ms"]])
+            entry.setdefault("step_ms_laps", [entry["step_ms"]])
+            fwd_ms, step_ms = retime(fn, *inputs, args.rep_ms, args.warmup_ms)
+            entry["fwd_ms_laps"].append(fwd_ms)
+            entry["step_ms_laps"].append(step_ms)
+            torch.cuda.empty_cache()
+    for entry in entries.values():
+        if "step_ms_laps" in entry:
+            entry["fwd_ms"] = statistics.median(entry["fwd_ms_laps"])
+            entry["step_ms"] = statistics.median(entry["step_ms_laps"])
+            entry["fwd_tflops"] = flops / entry["fwd_ms"] / 1e9
+            entry["step_tflops_6nvh"] = 3 * flops / entry["step_ms"] / 1e9
+            print(json.dumps({k: entry[k] for k in ("row", "inputs", "method", "fwd_ms_laps", "step_ms_laps")}),
+                  flush=True)
 
 
 def print_table(result):

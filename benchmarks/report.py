@@ -237,8 +237,22 @@ RATIOS_TEXT = (
     "(higher is better); the extra memory of a step, less the gradients' own bytes, by the size of the "
     "logits in the inputs' dtype; the largest of the loss, grad_hidden and grad_weight errors (against the "
     "reference) by PyTorch eager's. The bound in each header is the design target; ✓ marks a row "
-    "within it, ✗ one outside. The memory target holds at N = 8192; at other N its ratio stands unmarked "
+    "within it, ✗ one outside; a run of several laps (`bench.py --laps`) gives the laps' medians and "
+    "the span of the step ratio lap by lap. The memory target holds at N = 8192; at other N its ratio stands unmarked "
     "(README, \"Memory\", states the bound in N).")
+
+
+def lap_ratios(latest, row, inputs) -> list[float]:
+    """This kernel's step time over the fastest peer's, lap by lap (bench.py --laps: every method
+    timed in each lap of the same run), or [] for a run of one lap."""
+    ours = latest.get((row, inputs, OURS), {})
+    laps = ours.get("step_ms_laps", [])
+    if not laps:
+        return []
+    peers = [latest[(row, inputs, m)]["step_ms_laps"] for m in methods_in(latest) if m != OURS
+             and latest.get((row, inputs, m), {}).get("_file") == ours.get("_file")
+             and len(latest[(row, inputs, m)].get("step_ms_laps", [])) == len(laps)]
+    return [t / min(p[i] for p in peers) for i, t in enumerate(laps)] if peers else []
 
 
 def targets(latest, rows, inputs):
@@ -264,8 +278,10 @@ def targets(latest, rows, inputs):
 
         errors_from = carried(ours) or carried(latest.get((row, inputs, "torch"), {}))
         errs = "—" if err_ratio is None else f"{err_ratio:.3f}{errors_from}{mark(err_ratio <= 1.0)}"
+        laps = lap_ratios(latest, row, inputs)
+        spread = f" (laps {_range(laps, '.3f')})" if laps else ""
         lines.append(
-            f"| {row} | {fmt(step_ratio, '.3f')}{mark(step_ratio and step_ratio <= STEP_TARGET)} | "
+            f"| {row} | {fmt(step_ratio, '.3f')}{mark(step_ratio and step_ratio <= STEP_TARGET)}{spread} | "
             f"{fmt(fwd_ratio, '.3f')}{mark(fwd_ratio and fwd_ratio >= FORWARD_TARGET)} | "
             f"{mem_ratio:.0%}{mark(mem_ratio <= 0.25 if ours['n_tokens'] == 8192 else None)} | {errs} |")
     shown = [latest[(row, inputs, m)] for row in rows for m in (OURS, "torch") if (row, inputs, m) in latest]

@@ -88,3 +88,21 @@ def test_an_anatomy_run_gives_its_traces_and_none_of_its_times(report, tmp_path,
     (tmp_path / "anatomy-new.json").write_text(json.dumps({**newer, "environment": {"date": "1999-01-01"}}))
     _, latest = report.load()
     assert latest[("llama2", "lm", report.OURS)].get("_anatomy_file") == ours.get("_anatomy_file")
+
+
+def test_a_run_of_laps_shows_the_step_ratio_lap_by_lap(report):
+    """With each method's step timed in two laps of the same run, the ratio table gives the
+    ratio of the medians and the span of the laps' ratios, each lap over its own fastest peer."""
+    _, latest = report.load()
+    latest = dict(latest)
+    row = "llama2"
+    peers = [m for m in report.methods_in(latest) if m != report.OURS
+             and "step_ms" in latest.get((row, "lm", m), {})]
+    ours = latest[(row, "lm", report.OURS)]
+    latest[(row, "lm", report.OURS)] = {**ours, "step_ms": 9.0, "step_ms_laps": [8.8, 9.2]}
+    for m in peers:  # every peer at 10 ms in lap 1 and 10.5 ms in lap 2, in the same run's file
+        r = latest[(row, "lm", m)]
+        latest[(row, "lm", m)] = {**r, "_file": ours["_file"], "step_ms": 10.25, "step_ms_laps": [10.0, 10.5]}
+    assert report.lap_ratios(latest, row, "lm") == pytest.approx([0.88, 9.2 / 10.5])
+    line = next(s for s in report.targets(latest, [row], "lm").splitlines() if s.startswith(f"| {row} |"))
+    assert line.startswith(f"| {row} | {9.0 / 10.25:.3f} ✓ (laps 0.876–0.880) |")

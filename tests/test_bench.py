@@ -1,0 +1,40 @@
+"""benchmarks/bench.py's laps: later laps time every method again, in reversed order every other
+lap, and a method's times become the medians of its laps (the helper alone, on the CPU)."""
+
+import argparse
+import importlib.util
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_later_laps_alternate_the_order_and_take_the_medians(bench, monkeypatch):
+    calls = []
+    times = {"a": iter([(2.0, 20.0), (4.0, 40.0)]), "b": iter([(1.0, 10.0), (1.0, 30.0)])}
+
+    def retime(fn, hidden, weight, targets, rep_ms, warmup_ms):
+        calls.append(fn)
+        return next(times[fn])
+
+    monkeypatch.setattr(bench, "retime", retime)
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    entries = {"a": {"row": "r", "inputs": "lm", "method": "a", "fwd_ms": 3.0, "step_ms": 30.0},
+               "b": {"row": "r", "inputs": "lm", "method": "b", "fwd_ms": 1.5, "step_ms": 20.0},
+               "c": {"row": "r", "inputs": "lm", "method": "c", "error": "ValueError: no"}}
+    methods = [("a", "a"), ("b", "b"), ("c", "c")]
+    bench.later_laps(methods, entries, (None, None, None), argparse.Namespace(laps=3, rep_ms=1, warmup_ms=1), 1e12)
+    assert calls == ["b", "a", "a", "b"]  # lap 2 reversed, lap 3 in order; the failed method not retimed
+    assert entries["a"]["step_ms_laps"] == [30.0, 20.0, 40.0] and entries["a"]["step_ms"] == 30.0
+    assert entries["a"]["fwd_ms"] == 3.0 and entries["b"]["fwd_ms"] == 1.0 and entries["b"]["step_ms"] == 20.0
+    assert entries["b"]["step_tflops_6nvh"] == pytest.approx(3e12 / 20.0 / 1e9)
+    assert "step_ms_laps" not in entries["c"]
