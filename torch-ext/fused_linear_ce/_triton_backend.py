@@ -733,7 +733,9 @@ def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_r
     K._scale_rows_kernel[grid](
         src, factor, dst, dst_rows if dst_rows is not None else dummy, target_grad, targets, weight,
         n_rows, n_cols, weight.shape[0] if target_terms is not None else 0,
-        *parts.stride(), dst.stride(0), *(weight.stride() if target_terms is not None else (0, 0)),
+        # (one part: no part stride, whose value would only add specialisations of the launch)
+        parts.stride(0) if parts.shape[0] > 1 else 0, parts.stride(1), parts.stride(2), dst.stride(0),
+        *(weight.stride() if target_terms is not None else (0, 0)),
         HAS_DST_ROWS=dst_rows is not None, TARGET_TERMS=target_terms is not None, PARTS=parts.shape[0],
         BLOCK_R=block_r, BLOCK_C=block_c,
     )
