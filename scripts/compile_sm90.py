@@ -78,7 +78,7 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_row_factors_kernel": dict(BLOCK_R=16, BLOCK_V=BLOCK_V),
     "_factored_rows_kernel": dict(BLOCK_R=2, BLOCK_T=128, BLOCK_V=BLOCK_V, BLOCK_H=1024),
     "_picked_logit_dot_kernel": dict(BLOCK_R=64, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee"),
-    "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256, PARTS=4),
+    "_scale_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
     "_target_segments_kernel": dict(BLOCK_P=4, BLOCK_H=1024),
     "_target_keys_kernel": dict(BLOCK=1024),
     "_count_targets_kernel": dict(BLOCK=1024),

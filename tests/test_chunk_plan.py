@@ -380,25 +380,3 @@ def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, monkeypatc
     planned = torch_backend.chunk_rows(32768, 128256, torch.bfloat16, True, spread=False, hidden_size=4096)
     assert chunked._plan_chunk(torch_backend, 32768, 128256, 4096, torch.bfloat16, True, None, spread=False,
                                weight_grad=True) == planned
-
-
-def test_a_split_grad_hidden_product_counts_its_parts_in_a_chunks_memory(flce, monkeypatch):
-    """FLCE_HIDDEN_PARTS=k keeps k fp32 [rows, H] blocks for a chunk's grad_hidden product where
-    one was, and the memory model counts them: Qwen-2.5's head (3584, 152064), bf16, keeps its
-    1536-row chunk (the share rule's 2048 x 304128 / (304128 + 3584 x 16) = 1723 rows, 1664 in
-    128s, is past the 1536 cap), Llama-2's (4096, 32000) falls from 1536 rows (1630 by the share)
-    to 1280 (2048 x 64000 / (64000 + 4096 x 8) = 1354) with two parts."""
-    for name in GROWTH_KNOBS + ("FLCE_HIDDEN_PARTS",):
-        monkeypatch.delenv(name, raising=False)
-    backend = submodule(flce, "_triton_backend")
-
-    def largest(vocab_size, hidden_size):
-        return backend.chunk_rows(8192, vocab_size, torch.bfloat16, True, spread=False, hidden_size=hidden_size)
-
-    assert backend.chunk_bytes(1536, 152064, torch.bfloat16, 3584) == 1536 * (152064 * 2 + 3584 * 4)
-    assert (largest(152064, 3584), largest(32000, 4096)) == (1536, 1536)
-    monkeypatch.setenv("FLCE_HIDDEN_PARTS", "4")
-    assert backend.chunk_bytes(1536, 152064, torch.bfloat16, 3584) == 1536 * (152064 * 2 + 3584 * 16)
-    assert largest(152064, 3584) == 1536
-    monkeypatch.setenv("FLCE_HIDDEN_PARTS", "2")
-    assert largest(32000, 4096) == 1280

@@ -86,24 +86,6 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
-
-
-def _mm_f32_parts(a: torch.Tensor, b: torch.Tensor, parts: int) -> torch.Tensor:
-    """a @ b in fp32 as ``_mm_f32``, or for ``parts`` > 1 its split over the inner dimension
-    [parts, M, N] (part p: a[:, pV/parts : (p+1)V/parts] @ b[the same rows], V divisible by
-    ``parts``), one batched product: parts times its output tiles, for an output of a few waves
-    of tiles (a chunk's grad_hidden, rows x H) that would leave part of the last one idle."""
-    if parts == 1:
-        return _mm_f32(a, b)
-    inner = a.shape[1] // parts
-    a_parts = a.unflatten(1, (parts, inner)).transpose(0, 1)  # views: a's and b's memory, split
-    b_parts = b.unflatten(0, (parts, inner))
-    if a.is_cuda and a.dtype != torch.float32 and _BMM_OUT_DTYPE:
-        return torch.bmm(a_parts, b_parts, out_dtype=torch.float32)
-    return torch.bmm(a_parts.float(), b_parts.float())
-
-
 _ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
@@ -304,8 +286,7 @@ class _Gradients:
             block = self.grad_hidden.new_empty((end - start, self.grad_hidden.shape[1]))
         if row_factor is not None:
             terms = None if target_terms is None else (*target_terms, weight)
-            product = _mm_f32_parts(grad_logits, weight, backend.hidden_product_parts(*weight.shape, weight.dtype))
-            backend.scale_rows(product, row_factor,
+            backend.scale_rows(_mm_f32(grad_logits, weight), row_factor,
                                self.grad_hidden if block is None else block, None if block is not None else rows, terms)
         elif block is not None:
             torch.mm(grad_logits.to(weight.dtype), weight, out=block)

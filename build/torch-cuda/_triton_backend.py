@@ -141,22 +141,7 @@ def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int
     grad_weight's product, beside that block: H x (element size + 4))."""
     element_size = torch.finfo(dtype).bits // 8
     beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
-    # a grad_hidden product split in parts keeps an fp32 block for each
-    beside += hidden_size * 4 * (hidden_product_parts(vocab_size, hidden_size, dtype) - 1)
     return rows * (vocab_size * element_size + beside)
-
-
-def hidden_product_parts(vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Parts of the inner dimension (V) that a training chunk's grad_hidden product, E' W
-    [rows, H] in fp32, is split into (``_chunked._mm_f32_parts``), their sum taken by
-    ``scale_rows``: FLCE_HIDDEN_PARTS (default 1: one product) where V splits into parts of
-    16-byte aligned columns (a multiple of 8 for 16-bit inputs, of 4 for fp32), else 1. A chunk of
-    1536 rows on Qwen-2.5's head (H = 3584) is 228 of cuBLAS's 128 x 192 output tiles, 1.73 rounds
-    of 132 multiprocessors; four parts make 912, 6.9 rounds (exploration: perf notes, run 62)."""
-    parts = max(1, env_int("FLCE_HIDDEN_PARTS", 1))
-    if parts == 1 or vocab_size % (parts * 16 // (torch.finfo(dtype).bits // 8)):
-        return 1
-    return parts
 
 
 def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
@@ -719,13 +704,11 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None,
                target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """dst[dst_rows] = factor[:, None] * src (rounded once to dst's dtype); dst_rows: int64
-    [rows] indices into dst, or None for dst's first rows. src [rows, C], or [parts, rows, C]
-    whose parts are summed (in fp32, in order: a split product's), any strides; dst [*, C]
+    [rows] indices into dst, or None for dst's first rows. src [rows, C] any strides, dst [*, C]
     with unit column stride. With ``target_terms`` (c [rows] fp32, targets [rows], weight [V, C],
     any strides)
     also + c[:, None] * weight[targets] (rows whose target is out of range add nothing)."""
-    parts = src.unsqueeze(0) if src.dim() == 2 else src
-    n_rows, n_cols = parts.shape[1:]
+    n_rows, n_cols = src.shape
     block_r, block_c = (16, 32) if interpreting() else (16, 256)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
     dummy = _dummy(src.device)
@@ -733,11 +716,8 @@ def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_r
     K._scale_rows_kernel[grid](
         src, factor, dst, dst_rows if dst_rows is not None else dummy, target_grad, targets, weight,
         n_rows, n_cols, weight.shape[0] if target_terms is not None else 0,
-        # (one part: no part stride, whose value would only add specialisations of the launch)
-        parts.stride(0) if parts.shape[0] > 1 else 0, parts.stride(1), parts.stride(2), dst.stride(0),
-        *(weight.stride() if target_terms is not None else (0, 0)),
-        HAS_DST_ROWS=dst_rows is not None, TARGET_TERMS=target_terms is not None, PARTS=parts.shape[0],
-        BLOCK_R=block_r, BLOCK_C=block_c,
+        src.stride(0), src.stride(1), dst.stride(0), *(weight.stride() if target_terms is not None else (0, 0)),
+        HAS_DST_ROWS=dst_rows is not None, TARGET_TERMS=target_terms is not None, BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return dst
 

@@ -129,12 +129,7 @@ class FactoredBackend(Backend, Protocol):
                    dst_rows: torch.Tensor | None = None,
                    target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """dst[dst_rows] = factor[:, None] * src, with ``target_terms`` (c, targets, weight) also
-        + c[:, None] * weight[targets], rounded once to dst's dtype; returns dst. src [rows, C], or
-        [parts, rows, C] whose parts are summed first (in fp32, in order)."""
-
-    def hidden_product_parts(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> int:
-        """Parts (>= 1, dividing V) of the inner dimension that a chunk's grad_hidden product is
-        split into, each an fp32 [rows, H] block that ``scale_rows`` sums."""
+        + c[:, None] * weight[targets], rounded once to dst's dtype; returns dst."""
 
     def take_out_flags(self, targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,
                        improbable_count: int) -> torch.Tensor:

@@ -1002,7 +1002,7 @@ def _picked_logit_dot_kernel(
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _scale_rows_kernel(
-    src_ptr,  # [PARTS, n_rows, n_cols] any float dtype, any strides (the parts of a split product)
+    src_ptr,  # [n_rows, n_cols] any float dtype, any strides
     factor_ptr,  # [n_rows] fp32
     dst_ptr,  # [*, n_cols] out, unit column stride: row i of the result goes to row dst_rows[i] (or i)
     dst_rows_ptr,  # [n_rows] int64                   (HAS_DST_ROWS)
@@ -1012,7 +1012,6 @@ def _scale_rows_kernel(
     n_rows,
     n_cols,
     vocab_size,
-    stride_src_part,
     stride_src_row,
     stride_src_col,
     stride_dst,
@@ -1020,26 +1019,22 @@ def _scale_rows_kernel(
     stride_wk,
     HAS_DST_ROWS: tl.constexpr,
     TARGET_TERMS: tl.constexpr,
-    PARTS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """dst[dst_rows[i]] = factor[i] * sum_p src[p, i] (with TARGET_TERMS + c[i] *
-    weight[targets[i]]: the factored grad_hidden's target term), computed in fp32, the parts
-    added in their order, and rounded once to dst's dtype."""
+    """dst[dst_rows[i]] = factor[i] * src[i] (with TARGET_TERMS + c[i] * weight[targets[i]]: the
+    factored grad_hidden's target term), computed in fp32 and rounded once to dst's dtype."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = offs_r < n_rows
     mask = row_mask[:, None] & (offs_c < n_cols)[None, :]
     factor = tl.load(factor_ptr + offs_r, mask=row_mask, other=0.0)
     src_ptrs = src_ptr + offs_r.to(tl.int64)[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
-    src = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
-    for part in tl.static_range(1, PARTS):
-        src += tl.load(src_ptrs + part * stride_src_part, mask=mask, other=0.0).to(tl.float32)
+    src = tl.load(src_ptrs, mask=mask, other=0.0)
     dst_rows = offs_r.to(tl.int64)
     if HAS_DST_ROWS:
         dst_rows = tl.load(dst_rows_ptr + offs_r, mask=row_mask, other=0)
-    value = src * factor[:, None]
+    value = src.to(tl.float32) * factor[:, None]
     if TARGET_TERMS:
         targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
         target_grad = tl.load(target_grad_ptr + offs_r, mask=row_mask, other=0.0)
