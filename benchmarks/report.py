@@ -728,7 +728,11 @@ def main():
                   "gradient products (this kernel: its logit kernel, a Gluon kernel on Hopper, and cuBLAS; "
                   "torch.compile: its products); their rate counts 6·n·V·H flops over the n rows each method "
                   "computes (this kernel skips the rows whose target is ignored). The other kernels are the "
-                  "softmax and memory passes and the small per-row kernels.", "", anatomy_table(latest, MAIN_ROWS)]
+                  "softmax and memory passes and the small per-row kernels. The profiler's callbacks slow the "
+                  "host's launches: on a small head (the most launches a millisecond of GPU work) the gaps "
+                  "between a step's first small kernels are the host's, which without the profiler keeps "
+                  "ahead of the GPU and waits for it (`benchmarks/host_profile.py`; docs/perf-notes.md, "
+                  "run 63).", "", anatomy_table(latest, MAIN_ROWS)]
     ratio_runs = step_ratio_runs()
     if ratio_runs:
         parts += ["", "## The step ratio run by run", "",
