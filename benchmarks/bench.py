@@ -57,15 +57,27 @@ ROWS = {
 IGNORE_FRACTION = 0.1  # of the targets, ignored (-100), on every row but the "-no-ignored" ones
 # The main heads with every target counted (pretraining without padding): this kernel skips the
 # ignored rows' products and the peers compute them, so these rows compare the same work.
+# "-masked": half of the targets ignored, as an SFT batch with its prompts masked.
 for _head in ("gemma2", "llama3", "qwen25", "llama2"):
     ROWS[f"{_head}-no-ignored"] = ROWS[_head]
+    ROWS[f"{_head}-masked"] = ROWS[_head]
 
 
 def ignore_fraction(row: str) -> float:
     """The share of ``row``'s targets that make_inputs ignores."""
+    if row.endswith("-masked"):
+        return 0.5
     return 0.0 if row.endswith("-no-ignored") else IGNORE_FRACTION
-METHODS = ["fused-linear-ce", "torch", "torch.compile", "quack", "quack-default", "liger-cute", "liger", "cce",
-           "cce-exact"]
+METHODS = ["fused-linear-ce", "fused-linear-ce-metrics", "torch", "torch.compile", "quack", "quack-default",
+           "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo"]
+# TRL's trainers' LM head (trl.trainer.utils.add_fused_lm_head) as SFTTrainer and GRPOTrainer call it,
+# with TRL's own kernel (trl-*) or fused-linear-ce's (flce-*, what flce.trl.use_in_trl() installs): the
+# rows with a label gathered, the per-token outputs scattered back, the trainer's loss from them.
+TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
+GRPO_TEMPERATURE = 0.7
+GRPO_ENTROPY_COEF = 0.01
+# Methods whose loss is not the mean cross-entropy: no errors against the reference.
+OTHER_LOSS = ("flce-grpo", "trl-grpo")
 
 
 def load_flce():
@@ -134,7 +146,46 @@ def _peer(fn, **options):
     return call
 
 
+def _advantages(n_tokens: int, device, seq_len: int = 512) -> torch.Tensor:
+    """GRPO's per-token weights [N]: each sequence of ``seq_len`` tokens its advantage (fixed, N(0, 1))."""
+    g = torch.Generator(device=device).manual_seed(1)
+    per_seq = torch.randn(-(-n_tokens // seq_len), generator=g, device=device)
+    return per_seq.repeat_interleave(seq_len)[:n_tokens]
+
+
+def trl_head(apply, trainer: str):
+    """A TRL trainer's loss through its fused LM head, with ``apply`` as the head's kernel: SFT's NLL
+    (and its entropy and accuracy metrics), or GRPO's advantage-weighted log-probs with an entropy
+    bonus at temperature 0.7."""
+    outputs = TRL_OUTPUTS[trainer]
+    temperature = GRPO_TEMPERATURE if trainer == "grpo" else 1.0
+    advantages = {}
+
+    def loss(h, w, t):
+        mask = t != -100
+        per_token = apply(h[mask], w, None, t[mask], temperature, 32768, None, 1.0, outputs)
+        log_probs, entropy, *_, is_top1 = (None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)
+                                           for x in per_token)
+        n = mask.sum().clamp(min=1)
+        if trainer == "sft":
+            _ = entropy.detach().sum(), is_top1.sum()  # SFTTrainer's logged sums
+            return -log_probs.sum() / n
+        if t.shape[0] not in advantages:
+            advantages[t.shape[0]] = _advantages(t.shape[0], t.device)
+        return -(log_probs * advantages[t.shape[0]]).sum() / n - GRPO_ENTROPY_COEF * entropy.sum() / n
+
+    return loss
+
+
 def make_method(name, flce):
+    if name in ("trl-sft", "trl-grpo"):
+        from trl.kernels import ChunkedLogProbFunction
+
+        return trl_head(ChunkedLogProbFunction.apply, name.split("-")[1])
+    if name in ("flce-sft", "flce-grpo"):
+        return trl_head(flce.trl.FusedLogProbs.apply, name.split("-")[1])
+    if name == "fused-linear-ce-metrics":
+        return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t, return_metrics=True)[0]
     if name in ("quack", "quack-default"):
         from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
@@ -358,7 +409,7 @@ def environment():
     except OSError:
         driver = None
     versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
-    for pkg in ("liger_kernel", "cut_cross_entropy", "kernels", "quack_kernels", "nvidia_cutlass_dsl"):
+    for pkg in ("liger_kernel", "cut_cross_entropy", "kernels", "quack_kernels", "nvidia_cutlass_dsl", "trl"):
         try:
             from importlib.metadata import version
 
@@ -434,7 +485,8 @@ def main():
             for name, fn in methods:
                 t0 = time.time()
                 try:
-                    out = measure(fn, hidden, weight, targets, ref, args.rep_ms, args.warmup_ms)
+                    out = measure(fn, hidden, weight, targets, None if name in OTHER_LOSS else ref, args.rep_ms,
+                                  args.warmup_ms)
                     if row in args.anatomy_rows.split(",") and name in ANATOMY_METHODS:
                         out["anatomy"] = anatomy(fn, hidden, weight, targets)
                 except torch.OutOfMemoryError as e:

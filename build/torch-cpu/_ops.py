@@ -330,7 +330,8 @@ class FunctorchLoss(torch.autograd.Function):
 
 
 # ---- per-token outputs ------------------------------------------------------------------
-_TOKEN_FLAGS = "bool metrics, bool logit_sum, bool sum_sq, bool grad_hidden, bool grad_weight, bool grad_bias"
+_TOKEN_FLAGS = ("str outputs, bool metrics, bool logit_sum, bool sum_sq, bool grad_hidden, bool grad_weight, "
+                "bool grad_bias")
 _TOKEN_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, {LossOptions.op_schema()}, "
                          f"{_TOKEN_FLAGS}) -> ({', '.join(['Tensor'] * 9)})")
 _TOKEN_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor lse, Tensor loss_grad, "
@@ -343,12 +344,12 @@ def token_forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tens
                      *args) -> tuple[Tensor, ...]:
     """(lse, log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs, grad_hidden, grad_weight,
     grad_bias), all per row [N] but the gradients, of the loss options in ``args`` (flat, then
-    which statistics: metrics (entropy and is_top1), the logit sum, the sum of squares, then which
-    gradients to compute in the same sweep). Statistics not asked for are empty. The gradients are
+    the outputs' names, which statistics: metrics (entropy and is_top1), the logit sum, the sum of
+    squares, then which gradients to compute in the same sweep). Statistics not asked for are empty. The gradients are
     those of -sum_i log_probs_i (d out / d log_probs_i = -1 on every row with a target); empty when
     not asked for. Rows whose target is ``ignore_index`` get 0 (False) everywhere."""
     opts = LossOptions.from_op_args(args)
-    metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
     with _no_autocast(hidden):
         res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
                                logit_sum=logit_sum, sum_sq=sum_sq, match_training=True)
@@ -365,7 +366,7 @@ def token_forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tens
 
 @token_forward_op.register_fake
 def _(hidden, weight, targets, bias, *args):
-    metrics, logit_sum, sum_sq, grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    _, metrics, logit_sum, sum_sq, grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
     n_rows = hidden.shape[0]
     acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
 
@@ -407,20 +408,21 @@ def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, *ar
 
 # Whether a backward of per-token outputs last found d out / d log_probs equal on every row with
 # a target (and no entropy gradient): then the gradients made in the forward's sweep, scaled, are
-# exact. Keyed by the outputs asked for; a trainer whose loss weights its tokens alike (SFT's NLL)
-# keeps the sweep's gradients, one whose weights differ (RL, preference losses) recomputes them.
-_uniform_grads: dict[tuple, bool] = {}
+# exact. Keyed by the outputs asked for ("entropy,log_probs"): a trainer whose loss weights its
+# tokens alike (SFT's NLL) keeps the sweep's gradients, one whose weights differ (RL, preference
+# losses) recomputes them after its first step.
+_uniform_grads: dict[str, bool] = {}
 
 
-def speculates(key: tuple) -> bool:
-    """Whether a per-token forward of outputs ``key`` computes gradients in its sweep."""
-    return _uniform_grads.get(key, True)
+def speculates(outputs: str) -> bool:
+    """Whether a per-token forward of ``outputs`` computes gradients in its sweep."""
+    return _uniform_grads.get(outputs, True)
 
 
 def _token_setup_context(ctx, inputs, output):
     hidden, weight, targets, bias, *args = inputs
     opts = LossOptions.from_op_args(args)
-    metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    outputs, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
     lse, log_probs, entropy, *rest = output
     ctx.mark_non_differentiable(lse, *rest)
     ctx.set_materialize_grads(False)
@@ -428,7 +430,7 @@ def _token_setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.speculated = any(grads)
     ctx.consumed = False
-    ctx.key = (metrics, logit_sum, sum_sq)
+    ctx.key = outputs
     saved_grads = rest[3:] if ctx.speculated else ()
     ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), lse,
                           entropy if metrics else None, *saved_grads)
@@ -446,7 +448,7 @@ def _uniform_weight(log_prob_grad: Tensor, valid: Tensor) -> Tensor | None:
 
 def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     if log_prob_grad is None and entropy_grad is None:
-        return (None,) * (4 + _NUM_OPTIONS + 6)
+        return (None,) * (4 + _NUM_OPTIONS + 7)
     if torch.is_grad_enabled():
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     needs = ctx.needs_input_grad
@@ -467,7 +469,7 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
                 if w and g.numel():
                     scale_op(g, -common)
                 grads.append(g if w else None)
-            return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 6))
+            return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
     zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
     loss_grad = zero.expand_as(lse) if log_prob_grad is None else torch.where(valid, -log_prob_grad.to(lse.dtype), zero)
     row_entropy_grad, row_lse_grad = None, None
@@ -477,7 +479,7 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     grads = token_backward_op(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad,
                               row_entropy_grad, *opts.op_args(), *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 6))
+    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
 
 
 token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_context)

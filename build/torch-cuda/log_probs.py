@@ -131,13 +131,13 @@ def fused_linear_log_probs(
                           softcap=None if softcap is None else softcap / temperature)
     metrics = "entropy" in outputs or "is_top1" in outputs
     logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
-    key = (metrics, logit_sum, sum_sq)
+    key = ",".join(sorted(set(outputs) | {"log_probs"}))
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
     in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden) and speculates(key))
     _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward_op(
         hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), *options.op_args(),
-        metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))
+        key, metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))
     if target_check is not None:
         _finish_target_check(target_check, targets_1d, vocab_size, ignore_index)
     per_token = dict(log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits,

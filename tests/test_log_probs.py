@@ -1,0 +1,174 @@
+"""``fused_linear_log_probs``: per-token log-probs, entropy, log_sum_sq_probs, mean_logits and is_top1
+against a float64 PyTorch reference, their gradients for any per-token upstream gradient (the
+recomputing backward) and for SFT's equal weights (the sweep's gradients), and outputs that are the
+same bit for bit with or without gradients. On the CPU the Triton kernels run in the interpreter;
+the same file runs on the GPU (bf16 included)."""
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES, assert_rel, make_inputs, submodule, tolerance
+
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def reference(hidden, weight, targets, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100):
+    """The five outputs in float64 from materialised logits, 0 (False) on ignored rows."""
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    log_p = torch.log_softmax(z, dim=-1)
+    valid = targets != ignore_index
+    picked = log_p.gather(-1, torch.where(valid, targets, 0).long().unsqueeze(-1)).squeeze(-1)
+    values = dict(
+        log_probs=picked,
+        entropy=-(log_p.exp() * log_p).sum(-1),
+        log_sum_sq_probs=torch.logsumexp(2 * log_p, dim=-1),
+        mean_logits=z.mean(-1),
+    )
+    out = {k: torch.where(valid, v, torch.zeros_like(v)) for k, v in values.items()}
+    out["is_top1"] = valid & (z.argmax(-1) == targets)
+    return out
+
+
+def _check_outputs(got, expected, dtype, what=""):
+    tol = tolerance(dtype, "loss")
+    for name in OUTPUTS:
+        value = getattr(got, name)
+        if name == "is_top1":
+            assert value.dtype == torch.bool
+            # a row whose two largest logits are closer than the dtype's rounding may flip: none here
+            assert torch.equal(value.cpu(), expected[name].cpu()), f"{what}is_top1"
+        else:
+            # the scale of log-probs and logits is that of the logits (a few units)
+            assert_rel(value, expected[name], tol, f"{what}{name}", floor=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 0.7, "softcap": 3.0, "logit_scale": 2.0},
+    {"bias": True, "temperature": 1.3},
+], ids=["plain", "temperature", "softcap-scale", "bias"])
+def test_outputs_match_reference(flce, dtype, options):
+    options = dict(options)
+    hidden, weight, targets, bias = make_inputs(40, 32, 97, dtype, seed=1, bias=options.pop("bias", False),
+                                                ignore=0.2, requires_grad=False)
+    got = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=OUTPUTS, **options)
+    _check_outputs(got, reference(hidden, weight, targets, bias, **options), dtype)
+
+
+def test_only_the_outputs_asked_for(flce):
+    hidden, weight, targets, _ = make_inputs(8, 16, 33, torch.float32, seed=2, requires_grad=False)
+    got = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("entropy",))
+    assert got.log_probs is not None and got.entropy is not None  # log_probs are always computed
+    assert got.log_sum_sq_probs is None and got.mean_logits is None and got.is_top1 is None
+    assert got.log_probs.shape == targets.shape
+
+
+def test_leading_shape_and_ignored_rows(flce):
+    hidden, weight, targets, _ = make_inputs(0, 16, 50, torch.float32, seed=3, lead=(3, 5), ignore=0.3,
+                                             requires_grad=False)
+    got = flce.fused_linear_log_probs(hidden, weight, targets, outputs=OUTPUTS)
+    expected = reference(hidden, weight, targets)
+    ignored = targets == -100
+    for name in OUTPUTS:
+        value = getattr(got, name)
+        assert value.shape == (3, 5)
+        assert not value[ignored].any(), f"{name} is not 0 on ignored rows"
+    assert_rel(got.log_probs, expected["log_probs"], tolerance(torch.float32, "loss"), "log_probs", floor=1.0)
+
+
+def _grads(loss_fn, tensors):
+    for t in tensors:
+        t.grad = None
+    loss_fn().backward()
+    return [t.grad.detach().clone() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_gradients_of_any_token_weights(flce, dtype, softcap):
+    """log_probs and entropy with random per-token upstream gradients (GRPO's advantages and
+    entropy bonus): the recomputing backward, against float64 autograd."""
+    hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=4, ignore=0.2)
+    gen = torch.Generator().manual_seed(5)
+    log_prob_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(DEVICE)
+    entropy_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(DEVICE)
+    options = dict(temperature=0.7, softcap=softcap)
+
+    def loss():
+        out = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "entropy"), **options)
+        return (out.log_probs.double() * log_prob_weight).sum() + (out.entropy.double() * entropy_weight).sum()
+
+    got = _grads(loss, (hidden, weight))
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = reference(h64, w64, targets, **options)
+    ((ref["log_probs"] * log_prob_weight).sum() + (ref["entropy"] * entropy_weight).sum()).backward()
+    for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
+        assert_rel(g, e, tolerance(dtype, "grad"), name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sft_gradients_from_the_sweep(flce, dtype):
+    """SFT's loss (-sum log_probs / n): the backward finds equal weights and takes the gradients
+    the forward's sweep computed, scaled; they match float64 autograd, step after step."""
+    hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=6, ignore=0.2)
+    n_valid = (targets != -100).sum()
+    outputs = ("log_probs", "entropy", "is_top1")
+    ops = submodule(flce, "_ops")
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (-reference(h64, w64, targets)["log_probs"].sum() / n_valid).backward()
+    for step in range(2):
+        got = _grads(lambda: -flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.sum()
+                     / n_valid, (hidden, weight))
+        assert ops.speculates("entropy,is_top1,log_probs")
+        for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
+            assert_rel(g, e, tolerance(dtype, "grad"), f"step {step} {name}")
+
+
+def test_unequal_weights_after_the_sweep_recompute(flce):
+    """A backward whose token weights differ cannot use the sweep's gradients: it recomputes (exact),
+    and the next forward of the same outputs stops computing them in its sweep."""
+    hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=7)
+    ops = submodule(flce, "_ops")
+    outputs = ("log_probs",)
+    ops._uniform_grads.pop("log_probs", None)
+    weights = torch.linspace(-1.0, 2.0, 24, dtype=torch.float64).to(DEVICE)
+    got = _grads(lambda: (flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.double()
+                          * weights).sum(), (hidden, weight))
+    assert not ops.speculates("log_probs")
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (reference(h64, w64, targets)["log_probs"] * weights).sum().backward()
+    for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
+        assert_rel(g, e, tolerance(torch.float32, "grad"), name)
+    ops._uniform_grads.pop("log_probs", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_outputs_bit_identical_with_or_without_gradients(flce, dtype):
+    hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=8, ignore=0.2)
+    outputs = ("log_probs", "entropy", "is_top1")
+    with torch.no_grad():
+        plain = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
+    assert submodule(flce, "_ops").speculates("entropy,is_top1,log_probs")
+    trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
+    assert trained.log_probs.requires_grad and trained.entropy.requires_grad
+    for name in outputs:
+        assert torch.equal(getattr(plain, name), getattr(trained, name).detach()), name
+
+
+def test_bad_arguments(flce):
+    hidden, weight, targets, _ = make_inputs(4, 8, 10, torch.float32, seed=9, requires_grad=False)
+    with pytest.raises(ValueError, match="unknown outputs"):
+        flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "logits"))
+    with pytest.raises(TypeError, match="tuple of names"):
+        flce.fused_linear_log_probs(hidden, weight, targets, outputs="entropy")
+    with pytest.raises(ValueError, match="temperature"):
+        flce.fused_linear_log_probs(hidden, weight, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="targets must be in"):
+        flce.fused_linear_log_probs(hidden, weight, torch.full_like(targets, 10))
