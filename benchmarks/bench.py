@@ -382,14 +382,44 @@ def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
     return out
 
 
+def kernel_breakdown(step, steps: int = 3) -> dict:
+    """Where a step's GPU time goes: per kernel (grouped by name) the milliseconds a step, the
+    union of kernel intervals (busy) and the span from the first kernel's start to the last's end."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)
+    per_name: dict[str, float] = {}
+    busy, reach, gaps, before = 0.0, float("-inf"), [], ""
+    for start, end, name in kernels:
+        per_name[name[:60]] = per_name.get(name[:60], 0.0) + (end - start) / 1e3 / steps
+        busy += max(0.0, end - max(start, reach))
+        if start > reach > float("-inf"):
+            gaps.append(((start - reach) / 1e3, before[:40], name[:40]))
+        reach, before = max(reach, end), name
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3 / steps if kernels else 0.0
+    top = dict(sorted(per_name.items(), key=lambda kv: -kv[1]))  # every kernel: the small ones are levers too
+    return {"span_ms": span, "busy_ms": busy / 1e3 / steps, "kernel_ms": top,
+            "kernels_per_step": len(kernels) / steps,
+            "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
+
+
 ANATOMY_METHODS = ("fused-linear-ce", "torch.compile")
 
 
 def anatomy(fn, hidden, weight, targets) -> dict:
-    """Where a training step's GPU time goes: explore.py's per-kernel breakdown of three steps
-    issued back to back (span, busy time, each kernel's ms a step)."""
-    from explore import kernel_breakdown
-
+    """Where a training step's GPU time goes: ``kernel_breakdown`` of three steps issued back to
+    back (span, busy time, each kernel's ms a step)."""
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
 

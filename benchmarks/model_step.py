@@ -12,7 +12,7 @@ time of a step (forward + backward, no optimizer) after ``--warmup-ms`` of warm-
 memory above what was allocated before it, the loss, the same of an evaluation forward (``eval_*``:
 ``model.eval()`` under ``torch.no_grad()``, the loss alone), and on CUDA the GPU's clock and power during
 the timing, its joules a step, and the profiler's busy time against the span of three steps back to
-back (``explore.kernel_breakdown``): a patched model's step should keep the GPU as busy as the
+back (``bench.kernel_breakdown``): a patched model's step should keep the GPU as busy as the
 model's own.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import GpuSampler, environment, joules_per_step, load_flce  # noqa: E402
+from bench import GpuSampler, environment, joules_per_step, kernel_breakdown, load_flce  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, vocab_size=128256, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8)
@@ -113,8 +113,6 @@ def main():
                 entry["step_ms"] = time_step(step, device, args.warmup_ms, args.rep_ms)
             entry["step_gpu"] = sampler.summary()
             entry["step_joules"] = joules_per_step(step, entry["step_ms"])
-            from explore import kernel_breakdown
-
             anatomy = kernel_breakdown(step)
             entry.update(span_ms=anatomy["span_ms"], busy_ms=anatomy["busy_ms"],
                          busy_share=anatomy["busy_ms"] / anatomy["span_ms"] if anatomy["span_ms"] else None,

@@ -1,8 +1,9 @@
 """Regenerates BENCHMARKS.md, the plots and README's generated sections from the recorded JSON.
 
 Every number in them comes from the files in benchmarks/results/ (the GPU runs of bench.py and
-scripts/gpu-check, the CPU runs of cpu_bench.py) and from pyproject.toml; none is typed by hand.
-Every method found in the JSON is shown, the peers in a known order first.
+scripts/gpu-check, the CPU runs of cpu_bench.py), from the earlier runs of bench.py kept in
+lab/history/ (the table of the step ratio run by run) and from pyproject.toml; none is typed by
+hand. Every method found in the JSON is shown, the peers in a known order first.
 
     python benchmarks/report.py [--check]
 """
@@ -20,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "benchmarks" / "plots"
+HISTORY = ROOT / "lab" / "history"  # earlier recorded runs (lab/README.md)
 OURS = "fused-linear-ce"
 # Methods of bench.py in the order the tables show them; any other method found comes after.
 KNOWN_METHODS = [OURS, "torch", "torch.compile", "quack", "quack-default", "liger-cute", "liger", "cce",
@@ -82,10 +84,10 @@ def _version(name: str) -> str | None:
 
 
 def step_ratio_runs():
-    """[(file, version, date, {(row, inputs): step ratio})] of every recorded run, the history's
+    """[(file, version, date, {(row, inputs): step ratio})] of every recorded run, lab/history's
     too, oldest first: each main row's step time over the fastest peer's in that run, where
     torch.compile ran beside this kernel."""
-    paths = sorted(RESULTS.glob("h200-*.json")) + sorted((RESULTS / "history").glob("h200-*.json"))
+    paths = sorted(RESULTS.glob("h200-*.json")) + sorted(HISTORY.glob("h200-*.json"))
     found = []
     for path in paths:
         data = json.loads(path.read_text())
@@ -109,29 +111,6 @@ def step_ratio_section(runs) -> str:
         cells = [f"{ratios[key]:.3f} {'✓' if ratios[key] <= STEP_TARGET else '✗'}" if key in ratios else "—"
                  for key in columns]
         lines.append(f"| `{name}` | {date[:16]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def parts_runs():
-    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("parts-*.json"))]
-
-
-PARTS_COLUMNS = ["step", "torch.compile", "cublas whole", "cublas chunks", "sweep chunks", "logits chunks",
-                 "logits whole", "grad_hidden chunks", "grad_hidden whole", "grad_weight chunks", "grad_weight whole"]
-
-
-def parts_section(runs):
-    """benchmarks/parts_probe.py's runs: ms of each variant back to back at the power cap (the mean of
-    its two laps), a table row per (run, head, inputs)."""
-    present = [c for c in PARTS_COLUMNS if any(r["variant"] == c for _, data in runs for r in data["results"])]
-    lines = ["| run | head, rows | " + " | ".join(present) + " |", "|---" * (len(present) + 2) + "|"]
-    for name, data in runs:
-        groups = {}
-        for r in data["results"]:
-            groups.setdefault((r["head"], r["inputs"], r["rows"]), {}).setdefault(r["variant"], []).append(r["ms"])
-        for (head, inputs, rows), times in groups.items():
-            cells = [f"{sum(times[c]) / len(times[c]):.2f}" if c in times else "—" for c in present]
-            lines.append(f"| `{name}` | {head} ({inputs}), {rows} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -239,7 +218,7 @@ RATIOS_TEXT = (
     "reference) by PyTorch eager's. The bound in each header is the design target; ✓ marks a row "
     "within it, ✗ one outside; a run of several laps (`bench.py --laps`) gives the laps' medians and "
     "the span of the step ratio lap by lap. The memory target holds at N = 8192; at other N its ratio stands unmarked "
-    "(README, \"Memory\", states the bound in N).")
+    "(docs/design.md, \"Memory\", states the bound in N).")
 
 
 def lap_ratios(latest, row, inputs) -> list[float]:
@@ -464,21 +443,16 @@ def summary(latest):
     errors = [e for e in (error_ratio(latest, row, inputs) for row in MAIN_ROWS for inputs in ("lm", "uniform"))
               if e is not None]
     text = (
-        f"Where it stands, from these runs: the extra memory of a training step is {_range(mem, '.0%')} of the "
-        f"bf16 logits at N = 8192 and bounded in N ({_range(scaling_mem[OURS])} MiB from N = "
-        f"{_scaling_span(latest)} on the Llama-3 head: at most 8 chunks of rows add into grad_weight's 16-bit "
-        f"sum, larger ones while their buffer stays below V·H·4 bytes, and past that the groups of 8 add into an "
-        f"fp32 sum of V·H·4 bytes, which keeps grad_weight's error bounded too; over the same range: "
-        f"{peers_mem} MiB). "
-        f"The largest of the loss and gradient "
-        f"errors is {_range(errors, '.2f')}× plain PyTorch's (bf16, both kinds of inputs). Against the fastest "
-        f"peer in the same run ({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
+        f"Where it stands, from these runs. **Memory:** a training step's extra memory is {_range(mem, '.0%')} "
+        f"of the bf16 logits at N = 8192 and bounded in N ({_range(scaling_mem[OURS])} MiB from N = "
+        f"{_scaling_span(latest)} on the Llama-3 head; over the same range: {peers_mem} MiB). **Errors:** the "
+        f"largest of the loss and gradient errors is {_range(errors, '.2f')}× plain PyTorch's (bf16, both kinds "
+        f"of inputs, against float64). **Time:** against the fastest peer in the same run "
+        f"({_peer_names(latest, MAIN_ROWS, 'lm', 'step_ms')}), the training step takes "
         f"{_listing(step, '.3f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.3f', '×')} on "
         f"uniform ones){scale_text}; against the fastest forward "
         f"({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the forward runs at {_listing(fwd, '.2f', '×')} "
-        f"its speed. These are one run's ratios: the card runs at its "
-        f"power cap, where a warmer card or another machine moves a compute-bound step more than a peer's"
-        f"{_version_spread(latest)}.")
+        f"its speed. These are one run's ratios on a card at its power cap{_version_spread(latest)}.")
     every_target = no_ignored_rows(latest)
     if every_target:
         step_all = {row: ratio(row, "step_ms") for row in every_target}
@@ -488,27 +462,6 @@ def summary(latest):
                  f"fastest peer's time ({_peer_names(latest, every_target, 'lm', 'step_ms')}) and the forward runs "
                  f"at {_listing(fwd_all, '.2f', '×')} the fastest forward's speed: the lead above is mostly the "
                  f"skipped rows.")
-    fp32 = latest.get(("llama2-fp32", "lm", OURS))
-    fp32_step_peer, fp32_step = fastest_peer(latest, "llama2-fp32", "lm", "step_ms")
-    fp32_fwd_peer, fp32_fwd = fastest_peer(latest, "llama2-fp32", "lm", "fwd_ms")
-    if fp32 and fp32_step and fp32_fwd:
-        text += (f" In fp32 (Llama-2 head) the step takes {fp32['step_ms'] / fp32_step:.2f}× {fp32_step_peer}'s "
-                 f"time and the forward runs at {fp32_fwd / fp32['fwd_ms']:.2f}× {fp32_fwd_peer}'s speed.")
-    llama = latest.get(("llama3", "lm", OURS))
-    peer_name, peer = fastest_peer(latest, "llama3", "lm", "step_ms")
-    if llama and peer and llama.get("_matmul"):
-        floor = floor_ms(llama)
-        text += (f" For scale: at this GPU's measured bf16 matmul rate ({llama['_matmul']:.0f} TFLOP/s), the "
-                 f"6·N·V·H flops of a Llama-3 step alone take {floor:.1f} ms; {peer_name}'s step runs at "
-                 f"{floor / peer:.0%} of that rate and this kernel's at {floor / llama['step_ms']:.0%} "
-                 f"(BENCHMARKS.md, \"Distance to the matmul floor\"); this kernel skips the rows whose target "
-                 f"is ignored ({1 - llama['n_valid'] / llama['n_tokens']:.0%} of them here), which the flops "
-                 f"count includes.")
-    text += (" A step is three matrix products the size of the logits: the logit product is a kernel with the "
-             "softmax in its epilogue (on Hopper a Gluon kernel of 192 × 256 tiles whose copy engine stores the "
-             "exponentials, elsewhere a Triton kernel), the two gradient products are cuBLAS's, with the "
-             "softmax's factors applied on their small side. An evaluation forward's statistics come from the "
-             "same Gluon kernel on Hopper.")
     walls = [r["wall_s"] for (row, inputs, method), r in latest.items() if method == OURS and "wall_s" in r]
     if walls:
         text += (f"\n\nThe first call for a given (H, V, dtype, flags) in a process pays for Triton compilation and "
@@ -731,27 +684,16 @@ def main():
                   "softmax and memory passes and the small per-row kernels. The profiler's callbacks slow the "
                   "host's launches: on a small head (the most launches a millisecond of GPU work) the gaps "
                   "between a step's first small kernels are the host's, which without the profiler keeps "
-                  "ahead of the GPU and waits for it (`benchmarks/host_profile.py`; docs/perf-notes.md, "
-                  "run 63).", "", anatomy_table(latest, MAIN_ROWS)]
+                  "ahead of the GPU and waits for it (docs/design.md, \"The host\").", "",
+                  anatomy_table(latest, MAIN_ROWS)]
     ratio_runs = step_ratio_runs()
     if ratio_runs:
         parts += ["", "## The step ratio run by run", "",
-                  "Every recorded run (`benchmarks/results/` and its `history/`) that timed torch.compile beside "
+                  "Every recorded run (`benchmarks/results/` and `lab/history/`) that timed torch.compile beside "
                   "this kernel on a main head, newest first: the step time over the fastest peer's in that run "
                   f"(target ≤ {STEP_TARGET}). Each run is one machine at its power cap; the kernel changed between "
-                  "versions (docs/perf-notes.md).", "", step_ratio_section(ratio_runs)]
-    parts_data = parts_runs()
-    if parts_data:
-        parts += ["", "## At the power cap: the step against cuBLAS skeletons of its products", "",
-                  "`benchmarks/parts_probe.py` (`scripts/gpu-check parts`): ms a call, each variant issued back to "
-                  "back for about a second after a warm-up, so that the card sits at the clock its power cap allows "
-                  "that variant (there a kernel's time follows its energy, not its cycles). On the rows of a head "
-                  "that all have a loss: this kernel's step and torch.compile's; cuBLAS doing the step's three "
-                  "products (the logits in bf16, grad_hidden E' W in fp32, grad_weight E'^T diag(r) H accumulated "
-                  "in bf16, on E' = exp(z - row max)) on all rows at once (\"whole\") and in the step's chunks of "
-                  "rows; each of those products alone; and this kernel's sweeps alone (`factored_chunk` a chunk: "
-                  "the reference, the logit sweep that stores E', the per-row pass).", "",
-                  parts_section(parts_data)]
+                  "versions (docs/design.md gives the decisions and their measurements).", "",
+                  step_ratio_section(ratio_runs)]
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]

@@ -7,7 +7,7 @@ against their beta = 0 kernels (the rate without the read), against the transpos
 (C^T += B^T A, the same bytes) and against a persistent TMA Triton product that loads C before or
 after its main loop, in ms and TFLOP/s (do_bench medians) and joules a call (NVML, back to back).
 
-    python benchmarks/gemm_probe.py --out probe.json [--heads llama2,llama3] [--rows 1536]
+    python lab/gemm_probe.py --out probe.json [--heads llama2,llama3] [--rows 1536]
 """
 
 import argparse
@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench import GpuSampler, energy_counter, environment  # noqa: E402
 
 HEADS = {"llama2": (4096, 32000), "llama3": (4096, 128256), "qwen25": (3584, 152064), "gemma2": (2304, 256000)}

@@ -1,6 +1,6 @@
 """The device launches of one training step, counted on the CPU (Triton interpreter).
 
-    TRITON_INTERPRET=1 python benchmarks/launch_count.py --json launches.json [--rows 1024 --vocab 4096]
+    TRITON_INTERPRET=1 python lab/launch_count.py --json launches.json [--rows 1024 --vocab 4096]
         [--forward]
 
 A step of a large head is bound by its products, but each small launch around them (an

@@ -1,7 +1,7 @@
 """A short table of explore.py's JSON records (one line per record), for the end of a GPU log.
 
-    python benchmarks/explore_summary.py out/a1.json out/a2.json ...
-    python benchmarks/explore_summary.py --kernels _factored_rows,_order_rows,radix_sort out/a1.json
+    python lab/explore_summary.py out/a1.json out/a2.json ...
+    python lab/explore_summary.py --kernels _factored_rows,_order_rows,radix_sort out/a1.json
 
 With --kernels, each record's breakdown instead: the microseconds a step (or a forward) of the
 kernels whose names contain each pattern, and of every kernel that is neither a product nor

@@ -1,7 +1,7 @@
 """Design exploration on one GPU: the kernel's variants (tile width, TMA, chunk size) side by
 side, and where the time of a training step goes (torch.profiler, per kernel).
 
-    python benchmarks/explore.py --rows llama3,gemma2 --variants "BLOCK_V=256,TMA=1;BLOCK_V=128,TMA=1"
+    python lab/explore.py --rows llama3,gemma2 --variants "BLOCK_V=256,TMA=1;BLOCK_V=128,TMA=1"
 """
 
 import argparse
@@ -13,8 +13,17 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROWS, environment, ignore_fraction, load_flce, make_inputs, reference, rel_err  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench import (  # noqa: E402
+    ROWS,
+    environment,
+    ignore_fraction,
+    kernel_breakdown,
+    load_flce,
+    make_inputs,
+    reference,
+    rel_err,
+)
 
 LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap)
 
@@ -63,38 +72,6 @@ def back_to_back_ms(step, n=10):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
-
-
-def kernel_breakdown(step, steps: int = 3) -> dict:
-    """Where a step's GPU time goes: per kernel (grouped by name) the milliseconds a step, the
-    union of kernel intervals (busy) and the span from the first kernel's start to the last's end."""
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") == "kernel" and "dur" in e)
-    per_name: dict[str, float] = {}
-    busy, reach, gaps, before = 0.0, float("-inf"), [], ""
-    for start, end, name in kernels:
-        per_name[name[:60]] = per_name.get(name[:60], 0.0) + (end - start) / 1e3 / steps
-        busy += max(0.0, end - max(start, reach))
-        if start > reach > float("-inf"):
-            gaps.append(((start - reach) / 1e3, before[:40], name[:40]))
-        reach, before = max(reach, end), name
-    span = (kernels[-1][1] - kernels[0][0]) / 1e3 / steps if kernels else 0.0
-    top = dict(sorted(per_name.items(), key=lambda kv: -kv[1]))  # every kernel: the small ones are levers too
-    return {"span_ms": span, "busy_ms": busy / 1e3 / steps, "kernel_ms": top,
-            "kernels_per_step": len(kernels) / steps,
-            "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
 def time_logit_kernel(flce, hidden, weight, targets, config):

@@ -13,7 +13,7 @@ file at commits 57e93a2 (the ping-pong kernels), b0ab751 (two-warpgroup variants
 reference and times it against the package's logit kernel (mode 0 alone, without the target
 pick; ``--triton-configs`` forces its configurations) and cuBLAS's plain product.
 
-    python benchmarks/gluon_probe.py [--rows llama2,llama3] [--n 4032] [--designs ...] [--out probe.json]
+    python lab/gluon_probe.py [--rows llama2,llama3] [--n 4032] [--designs ...] [--out probe.json]
 
 Not part of the package's tests: the interpreter runs no Gluon (the GPU tests run the kernel, and
 the CPU tests compile it for sm_90).
@@ -121,7 +121,7 @@ def main():
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "command": " ".join([f"{k}={v}" for k, v in sorted(os.environ.items())
                                     if k.startswith("FLCE_")]
-                                   + ["python benchmarks/gluon_probe.py"] + sys.argv[1:])}
+                                   + ["python lab/gluon_probe.py"] + sys.argv[1:])}
         Path(args.out).write_text(json.dumps({"environment": env, "records": records}, indent=1))
 
 

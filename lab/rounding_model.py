@@ -21,7 +21,7 @@ Its roundings, beside the 16-bit inputs and output that PyTorch shares:
 PyTorch's bf16 step rounds the logits to 16 bits, takes the softmax in fp32 and rounds its
 gradient to 16 bits. Errors are relative Frobenius norms against the float64 gradient.
 
-    python benchmarks/rounding_model.py [--rows 4096] [--vocab 65536] [--hidden 256] [--chunks 5]
+    python lab/rounding_model.py [--rows 4096] [--vocab 65536] [--hidden 256] [--chunks 5]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Where the host's time goes in a training step (or, with ``--forward``, an evaluation
 forward), for heads where the GPU may wait for it.
 
-    python benchmarks/host_profile.py --rows llama2,llama3 --steps 30 --json host.json [--cprofile host.txt]
+    python lab/host_profile.py --rows llama2,llama3 --steps 30 --json host.json [--cprofile host.txt]
         [--forward]
 
 For each head, after a warm-up:
@@ -15,7 +15,7 @@ For each head, after a warm-up:
   as bench.py measures it;
 - ``sustained`` (with ``--sustained-s``, for this kernel and torch.compile): ms a step over that
   many seconds of back-to-back steps, the SM clock, power and throttle reasons nvidia-smi reports
-  meanwhile, and right after, the profiler's busy and span of three steps (``explore.kernel_breakdown``):
+  meanwhile, and right after, the profiler's busy and span of three steps (``bench.kernel_breakdown``):
   whether a step's time is the GPU's work at the clock it runs at, or waiting.
 With ``--cprofile FILE`` also a cProfile listing of the same steps.
 """
@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import ROWS, GpuSampler, environment, load_flce, make_inputs, make_method  # noqa: E402
-from explore import kernel_breakdown  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench import ROWS, GpuSampler, environment, kernel_breakdown, load_flce, make_inputs, make_method  # noqa: E402
 
 BACKEND_CALLS = ("order_rows", "row_reference", "row_stats", "finalize", "row_factors", "scale_rows",
                  "factored_chunk", "add_target_rows", "new_buffer", "grad_from_stored", "chunk_rows")

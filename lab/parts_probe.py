@@ -21,7 +21,7 @@ The differences say what the sweep's epilogue and the per-row kernels cost (``st
 ``cublas chunks``) and what the chunks cost (``cublas chunks`` against ``cublas whole``). The
 variants run in order and then in reverse order, so that a drift of the clock shows.
 
-    python benchmarks/parts_probe.py --out parts.json [--heads llama2] [--inputs lm,uniform]
+    python lab/parts_probe.py --out parts.json [--heads llama2] [--inputs lm,uniform]
         [--parts] [--env gluon:FLCE_GLUON_TRAINING=1] [--only "step,step_[gluon]"]
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench import (  # noqa: E402
     ROOT,
     ROWS,

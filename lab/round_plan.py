@@ -1,6 +1,6 @@
 """The forward's chunk plan against the rounds of its persistent sweep, without a GPU.
 
-    python benchmarks/round_plan.py [--programs 132] [--overhead 0.4]
+    python lab/round_plan.py [--programs 132] [--overhead 0.4]
 
 A persistent sweep of B row blocks x T vocabulary tiles on P multiprocessors takes
 ceil(B T / P) rounds of one tile each. For each main head, and for N from 2048 to 70000 rows
