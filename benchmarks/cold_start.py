@@ -1,0 +1,78 @@
+"""Cold start: the wall time of the first training call in a fresh process with an empty Triton cache.
+
+Each measurement runs in its own subprocess (``TRITON_CACHE_DIR`` a new empty folder), so that
+it pays the kernel's compilation and autotuning as a user's first step on a fresh machine does.
+The import and the inputs' creation are outside the timed region.
+
+    python benchmarks/cold_start.py --out cold-start.json [--rows llama3] [--calls loss,metrics,sft]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+CHILD = r"""
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from bench import ROWS, load_flce, make_inputs
+flce, _ = load_flce()
+hidden_size, vocab_size, n_tokens, dtype = ROWS[{row!r}]
+hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
+h, w = hidden.requires_grad_(), weight.requires_grad_()
+def step():
+    if {call!r} == "sft":
+        out = flce.fused_linear_log_probs(h, w, targets, outputs=("log_probs", "entropy", "is_top1"))
+        loss = -out.log_probs.sum() / (targets != -100).sum()
+    elif {call!r} == "metrics":
+        loss = flce.fused_linear_cross_entropy(h, w, targets, return_metrics=True)[0]
+    else:
+        loss = flce.fused_linear_cross_entropy(h, w, targets)
+    loss.backward()
+torch.cuda.synchronize()
+start = time.perf_counter()
+step()
+torch.cuda.synchronize()
+first = time.perf_counter() - start
+start = time.perf_counter()
+step()
+torch.cuda.synchronize()
+print(first, time.perf_counter() - start)
+"""
+
+
+def first_call_s(row: str, call: str) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        run = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), row=row, call=call)], env=env,
+                             capture_output=True, text=True, check=True)
+    first, second = (float(x) for x in run.stdout.split()[-2:])
+    return first, second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="llama3")
+    parser.add_argument("--calls", default="loss,metrics,sft")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from bench import environment
+
+    records = []
+    for row in args.rows.split(","):
+        for call in args.calls.split(","):
+            first, second = first_call_s(row, call)
+            records.append({"row": row, "call": call, "first_call_s": first, "second_call_s": second})
+            print(json.dumps(records[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": environment(), "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
