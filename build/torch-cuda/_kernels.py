@@ -363,7 +363,10 @@ def _logit_tile_kernel(
             )
         else:
             # ---- tile statistics ----------------------------------------------------------
-            tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
+            if RETURN_METRICS:  # the max and its first column in one reduction
+                tile_max, argmax = tl.max(logits, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            else:
+                tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
             row_ref = tile_max
             if MODE == MODE_STATS_AND_EXP or ROW_REFERENCE:
                 row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
@@ -377,10 +380,13 @@ def _logit_tile_kernel(
             if SUM_SQ:  # sum_j p_j^2 of the row, from exp(z - m)^2 merged as sum_exp is, with squared weights
                 tl.store(tile_sum_sq_ptr + stat_offs, tl.sum(exp_shifted * exp_shifted, axis=1), mask=row_mask)
             if RETURN_METRICS:
-                entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
+                if EVEN_V and not HAS_BIAS:  # no -inf logit: no 0 * inf to take out
+                    entropy_term = -tl.sum(exp_shifted * tile_out, axis=1)
+                else:
+                    entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
                 tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
-                is_max = logits == tile_max[:, None]
-                argmax = tl.min(tl.where(is_max, offs_v[None, :], NO_INDEX), axis=1)
+                # the tile's first column of its max (NO_INDEX where the tile is all -inf, past V)
+                argmax = tl.where(tile_max == float("-inf"), NO_INDEX, pid_v * BLOCK_V + argmax)
                 tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
             if HAS_SMOOTHING:
                 summed = logits
