@@ -63,10 +63,13 @@ class Backend(Protocol):
                   targets: torch.Tensor, opts: LossOptions, shifted_out: torch.Tensor | None = None,
                   row_ref: torch.Tensor | None = None, loss_grad: torch.Tensor | None = None,
                   class_weight: torch.Tensor | None = None, target_logit: torch.Tensor | None = None,
-                  return_metrics: bool = False) -> tuple[RowStats, Any]:
+                  return_metrics: bool = False, logit_sum: bool = False,
+                  sum_sq: bool = False) -> tuple[RowStats, Any]:
         """Softmax statistics [rows] of hidden [rows, H] against weight [V, H] (+ bias [V]), and
         the state that ``grad_from_stored`` / ``row_factors`` take; ``shifted_out`` (a buffer)
-        keeps what the gradient is made from."""
+        keeps what the gradient is made from; ``logit_sum`` and ``sum_sq`` add the rows' sums of
+        logits and of squared exponentials (``RowStats``). Without a buffer, a ``row_ref`` takes
+        the sums relative to it, as the factored sweep does (where ``factored_gradient``)."""
 
     def finalize(self, stats: RowStats, targets: torch.Tensor, opts: LossOptions, vocab_size: int,
                  out: RowResults, return_metrics: bool = False) -> None:
@@ -82,8 +85,10 @@ class Backend(Protocol):
                     targets: torch.Tensor, lse: torch.Tensor, loss_grad: torch.Tensor,
                     lse_grad: torch.Tensor | None, opts: LossOptions, out: torch.Tensor,
                     bias_grad_acc: torch.Tensor | None, class_weight: torch.Tensor | None = None,
-                    smooth_grad: torch.Tensor | None = None) -> torch.Tensor:
-        """Recomputes a chunk's logits and writes its grad logits [rows, V] to ``out`` (returned)."""
+                    smooth_grad: torch.Tensor | None = None,
+                    entropy_grad: torch.Tensor | None = None) -> torch.Tensor:
+        """Recomputes a chunk's logits and writes its grad logits [rows, V] to ``out`` (returned);
+        ``entropy_grad`` [rows] adds d out / d entropy_i's term (its -e_i H_i part in ``lse_grad``)."""
 
     def scale_(self, x: torch.Tensor, scale: torch.Tensor) -> None:
         """x *= scale in place (scale: a one-element fp32 tensor)."""

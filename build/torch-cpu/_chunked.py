@@ -61,6 +61,8 @@ class ForwardResult:
     prediction: torch.Tensor | None = None  # [N] int64 argmax (-1 on ignored rows), with metrics
     correct: torch.Tensor | None = None  # [N] int32, with metrics
     entropy: torch.Tensor | None = None  # [N] fp32, with metrics
+    mean_logit: torch.Tensor | None = None  # [N] fp32, with ``logit_sum``
+    log_sum_sq: torch.Tensor | None = None  # [N] fp32 log sum_j p_j^2, with ``sum_sq``
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -521,13 +523,19 @@ def _local_class_weight(class_weight, opts: LossOptions, vocab_size: int, shard:
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
-            return_metrics: bool = False) -> ForwardResult:
+            return_metrics: bool = False, logit_sum: bool = False, sum_sq: bool = False,
+            match_training: bool = False) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
     With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
     [V of the whole vocabulary] (fp32, fp64 for fp64 inputs) weights the classes; with
-    ``return_metrics`` also per-row argmax, correctness and entropy. Rows with an
-    ignored target are skipped (lse 0, prediction -1) unless ``all_rows``."""
+    ``return_metrics`` also per-row argmax, correctness and entropy, with ``logit_sum`` each
+    row's mean logit and with ``sum_sq`` its log sum_j p_j^2 (the per-token outputs). Rows with
+    an ignored target are skipped (lse 0, prediction -1) unless ``all_rows``.
+
+    With ``match_training``, where a training step takes the factored gradient, a forward
+    without gradients takes its statistics against the same row references, so that metrics and
+    per-row results are the same bit for bit with or without gradients."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
@@ -546,7 +554,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     first = _first_chunk_rows(n_rows, chunk, row_order, training, row_block, sweep_tiles)
     if row_order is not None:
         targets = row_order.targets
-    results = _new_results(n_rows, return_metrics, f32)
+    results = _new_results(n_rows, return_metrics, f32, logit_sum, sum_sq)
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
@@ -571,14 +579,20 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
 
     def results_of(start, end):  # the per-row results of rows [start, end)
         return RowResults(*(None if t is None else t[start:end] for t in (
-            results.lse, results.loss, results.correct, results.entropy, results.prediction)))
+            results.lse, results.loss, results.correct, results.entropy, results.prediction, results.mean_logit,
+            results.log_sum_sq)))
 
     def finish(stats, start, end, out=None):  # finalized by the backend unless ``out`` is given
         if out is None:
             out = results_of(start, end)
             backend.finalize(stats, targets[start:end], opts, vocab_size, out, return_metrics=return_metrics)
+        valid = targets[start:end] != opts.ignore_index
         if return_metrics:
-            out.prediction.copy_(torch.where(targets[start:end] != opts.ignore_index, stats.argmax, -1))
+            out.prediction.copy_(torch.where(valid, stats.argmax, -1))
+        if logit_sum:
+            out.mean_logit.copy_(torch.where(valid, stats.logit_sum * opts.inv_vocab_size(vocab_size), 0.0))
+        if sum_sq:  # sum_j p_j^2 = sum_j exp(2 (z_j - m)) / (sum_j exp(z_j - m))^2
+            out.log_sum_sq.copy_(torch.where(valid, stats.sum_sq.log() - 2.0 * stats.sum_exp.log(), 0.0))
         if row_weight is not None:
             weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
         return out
@@ -592,8 +606,14 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     # Without the factored gradient, every row's target logit in one launch before the chunks,
     # where the backend's statistics sweeps leave it to a product: a launch a chunk fills as few
     # programs and takes as long (perf notes, run 55).
+    # A forward without gradients takes its sums against the factored sweep's row references.
+    if (match_training and not training and shard is None and n_rows > 0
+            and backend.factored_gradient(hidden.dtype, opts, bias is not None)):
+        references = backend.row_reference(hidden, weight, slice_targets, opts,
+                                           rows=None if row_order is None else row_order.order) \
+            if backend.reference_in_place() else ()  # () : one launch a chunk
     target_logits = None
-    if not factored and n_rows > 0:
+    if not factored and references is None and n_rows > 0:
         target_logits = backend.step_target_logits(hidden, weight, slice_targets, opts, bias,
                                                    rows=None if row_order is None else row_order.order)
     computed = 0
@@ -624,14 +644,17 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, (target_grad, targets_c))
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
-        if factored:
+        if factored or references == ():
             row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
+        elif references is not None:
+            row_ref, target_logit = (t[start:end] for t in references)
         else:
             row_ref = None
             target_logit = None if target_logits is None else target_logits[start:end]
         stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
                                          loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
-                                         target_logit=target_logit, return_metrics=return_metrics)
+                                         target_logit=target_logit, return_metrics=return_metrics,
+                                         logit_sum=logit_sum, sum_sq=sum_sq)
         if merge_once:
             chunk_stats.append(stats)
             continue
@@ -654,7 +677,8 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     return _forward_result(results, grads_out, targets, opts, reduction, row_order, row_weight, return_metrics, f32)
 
 
-def _new_results(n_rows: int, return_metrics: bool, f32: dict) -> RowResults:
+def _new_results(n_rows: int, return_metrics: bool, f32: dict, logit_sum: bool = False,
+                 sum_sq: bool = False) -> RowResults:
     """Per-row results [N] in the computed order; rows never computed (ignored) keep these values."""
     device = f32["device"]
     return RowResults(
@@ -663,6 +687,8 @@ def _new_results(n_rows: int, return_metrics: bool, f32: dict) -> RowResults:
         correct=torch.zeros(n_rows, device=device, dtype=torch.int32) if return_metrics else None,
         entropy=torch.zeros(n_rows, **f32) if return_metrics else None,
         prediction=torch.full((n_rows,), -1, device=device, dtype=torch.int64) if return_metrics else None,
+        mean_logit=torch.zeros(n_rows, **f32) if logit_sum else None,
+        log_sum_sq=torch.zeros(n_rows, **f32) if sum_sq else None,
     )
 
 
@@ -703,15 +729,18 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
         loss=loss, lse=unordered(results.lse), num_correct=num_correct, entropy_sum=entropy_sum,
         grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
         prediction=unordered(results.prediction), correct=unordered(results.correct),
-        entropy=unordered(results.entropy),
+        entropy=unordered(results.entropy), mean_logit=unordered(results.mean_logit),
+        log_sum_sq=unordered(results.log_sum_sq),
     )
 
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
-             grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None):
+             grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None,
+             entropy_grad: torch.Tensor | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
-    of the forward."""
+    of the forward; ``entropy_grad`` [N] is d out / d entropy_i, whose -e_i H_i part the caller
+    has added to ``lse_grad``."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     backend = backend_for(hidden.device)
@@ -732,6 +761,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
                 loss_grad[start:end], None if lse_grad is None else lse_grad[start:end], opts,
                 buffer[: end - start], gradients.bias_acc,
                 local_class_weight, None if smooth_grad is None else smooth_grad[start:end],
+                None if entropy_grad is None else entropy_grad[start:end],
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
     return gradients.finish(hidden.dtype, bias)

@@ -101,11 +101,12 @@ def _exp_with_entropy_term_(shifted: torch.Tensor) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False):
+              class_weight=None, target_logit=None, return_metrics=False, logit_sum=False, sum_sq=False):
     """Softmax statistics of a chunk of rows. With ``shifted_out`` (the chunk buffer) the
     buffer keeps exp(z - row max) for ``grad_from_stored``, and the state carries the row max
     (and the softcap's derivative). ``class_weight`` [V] (with label smoothing only) weights
-    the logit sum; ``return_metrics`` adds each row's entropy term and argmax. (``row_ref``,
+    the logit sum; ``return_metrics`` adds each row's entropy term and argmax; ``logit_sum`` the
+    sum of each row's logits and ``sum_sq`` its sum_j exp(2 (z_j - row max)). (``row_ref``,
     ``loss_grad`` and ``target_logit`` belong to the factored gradient, which this backend never
     takes.)"""
     logits = _logits(hidden, weight, bias, opts, out=shifted_out)
@@ -117,23 +118,25 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
         row_max = logits.amax(dim=1)
     in_range = (targets >= 0) & (targets < vocab_size)
     picked = logits.gather(1, targets.clamp(0, vocab_size - 1).long()[:, None])[:, 0]
-    logit_sum = None
-    if opts.has_smoothing:
-        logit_sum = (logits.sum(dim=1) if class_weight is None
-                     else torch.mv(logits, class_weight.to(logits.dtype)))
+    summed = None
+    if opts.has_smoothing or logit_sum:
+        summed = (logits.sum(dim=1) if class_weight is None
+                  else torch.mv(logits, class_weight.to(logits.dtype)))
     # The gradient needs the softcap's derivative at z, which the exponentials overwrite.
     softcap_grad = _softcap_grad(logits, opts) if shifted_out is not None and opts.has_softcap else None
     logits.sub_(_safe(row_max)[:, None])
     entropy_term = _exp_with_entropy_term_(logits) if return_metrics else None
     if entropy_term is None:
         logits.exp_()
+    squares = torch.linalg.vector_norm(logits, dim=1).square() if sum_sq else None
     stats = RowStats(
         row_max=row_max,
         sum_exp=logits.sum(dim=1),
         target_logit=torch.where(in_range, picked, torch.full_like(picked, float("nan"))),
         entropy_term=entropy_term,
         argmax=argmax,
-        logit_sum=logit_sum,
+        logit_sum=summed,
+        sum_sq=squares,
     )
     return stats, (row_max, softcap_grad)
 
@@ -161,11 +164,14 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
 
 
 def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: LossOptions, softcap_grad,
-                   bias_grad_acc, class_weight=None, smooth_grad=None) -> torch.Tensor:
+                   bias_grad_acc, class_weight=None, smooth_grad=None, entropy_grad=None,
+                   log_probs=None) -> torch.Tensor:
     """Turns ``probs`` [rows, V] (the softmax, times ``probs_scale`` [rows] when given) into
     d out / d u in place (see ``_kernels`` for the maths); adds its column sums to
     ``bias_grad_acc`` unless it is None. With label smoothing, ``class_weight`` [V] and
-    ``smooth_grad`` [rows] weight the smoothing term."""
+    ``smooth_grad`` [rows] weight the smoothing term. With ``entropy_grad`` [rows] (d out / d H_i,
+    its -e_i H_i part already in ``lse_grad``), ``log_probs`` [rows, V] (log p, overwritten) adds
+    the entropy's -e_i p_ij log p_ij."""
     vocab_size = probs.shape[1]
     scale = opts.logit_scale
     prob_coef = loss_grad
@@ -175,7 +181,10 @@ def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: 
         prob_coef = prob_coef + lse_grad
     if probs_scale is not None:
         prob_coef = prob_coef * probs_scale
-    probs.mul_((prob_coef * scale)[:, None])
+    if entropy_grad is not None:
+        probs.mul_(log_probs.mul_(-entropy_grad[:, None]).add_(prob_coef[:, None]).mul_(scale))
+    else:
+        probs.mul_((prob_coef * scale)[:, None])
     in_range = (targets >= 0) & (targets < vocab_size)
     target_coef = torch.where(in_range, loss_grad * ((1.0 - opts.label_smoothing) * scale), 0.0)
     probs.scatter_add_(1, targets.clamp(0, vocab_size - 1).long()[:, None], -target_coef[:, None])
@@ -190,6 +199,8 @@ def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: 
     keep = loss_grad != 0
     if lse_grad is not None:
         keep = keep | (lse_grad != 0)
+    if entropy_grad is not None:
+        keep = keep | (entropy_grad != 0)
     dropped = (~keep).nonzero()[:, 0]
     if dropped.numel():
         probs.index_fill_(0, dropped, 0.0)
@@ -227,15 +238,17 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
-                class_weight=None, smooth_grad=None):
+                class_weight=None, smooth_grad=None, entropy_grad=None):
     """Recomputes a chunk's logits into ``out`` and turns them into its grad logits [rows, V]
     (lse known); with label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight
     the smoothing term."""
     logits = _logits(hidden, weight, bias, opts, out=out)
     softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
-    probs = logits.sub_(lse[:, None]).exp_()
+    log_probs = logits.sub_(lse[:, None])
+    saved_log_probs = log_probs.clone() if entropy_grad is not None else None
+    probs = log_probs.exp_()
     return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
-                          class_weight, smooth_grad)
+                          class_weight, smooth_grad, entropy_grad, saved_log_probs)
 
 
 def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:

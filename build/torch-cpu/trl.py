@@ -1,76 +1,74 @@
-"""TRL's ``SFTTrainer`` with the fused linear cross-entropy: ``FusedSFTTrainer``.
+"""TRL's fused LM head on fused-linear-ce: ``use_in_trl()``.
+
+TRL 1.16's trainers (SFT, DPO, GRPO, KTO, RLOO) patch their model with
+``trl.trainer.utils.add_fused_lm_head`` and call it with ``fused_lm_head=True``. That glue keeps
+the label mask and shift, ``shift_labels``, the FSDP2 DTensor gather, the ZeRO-3 gather, PEFT,
+the temperature, softcap and logit scale, and hands the rows with a label to one kernel, which
+returns per-token log-probabilities (and, on request, entropy, ``log_sum_sq_probs``,
+``mean_logits``, ``is_top1``). ``use_in_trl()`` makes that kernel ``fused_linear_log_probs``;
+everything else stays TRL's.
 
 Imported on first use (``fused_linear_ce.trl``, or ``flce.trl`` on the kernel loaded by
-``kernels``): it needs TRL (tested with 1.16) and transformers, which the rest of the package
-does not import.
-
-``FusedSFTTrainer`` computes the loss from the backbone's hidden states and the lm_head with the
-fused kernel (no (tokens, vocab) logits), and logs TRL's ``mean_token_accuracy`` and ``entropy``
-with TRL's definitions: per micro-batch, the counts and sums over the non-ignored next-token
-labels, summed over the ranks (``accelerator.gather_for_metrics``), then divided. Its ``loss``,
-``num_tokens`` and the training itself match ``SFTTrainer`` (loss_type "nll").
+``kernels``); the rest of the package imports neither TRL nor transformers.
 """
 
-import torch
-from accelerate.utils import is_peft_model
-from trl import SFTTrainer
+import importlib.metadata
 
-from .causal_lm import token_metrics
-from .patching import patch_forward
+from torch import Tensor
 
-__all__ = ["FusedSFTTrainer"]
+from .log_probs import fused_linear_log_probs
+
+__all__ = ["TESTED_TRL_VERSIONS", "use_in_trl"]
+
+# The TRL releases whose fused-head contract (the kernel's arguments and outputs) was tested.
+TESTED_TRL_VERSIONS = ("1.16",)
+
+_trl_own_kernel = None  # TRL's own, while ours stands in for it
 
 
-class FusedSFTTrainer(SFTTrainer):
-    """``SFTTrainer`` whose loss is the fused linear cross-entropy of the model's last hidden states.
+class FusedLogProbs:
+    """Stands in for TRL's ``ChunkedLogProbFunction``: the same ``apply`` arguments and outputs."""
 
-    Takes the arguments of ``SFTTrainer``. The loss is the plain NLL (``loss_type="nll"``,
-    without label smoothing, a ``compute_loss_func`` or the MoE router loss).
-    """
+    @staticmethod
+    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
+              chunk_size: int, final_logit_softcapping: float | None, logit_scale: float,
+              outputs: tuple[str, ...]) -> tuple[Tensor | None, ...]:
+        """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) of ``hidden`` (N, H)
+        against ``labels`` (N,), None where not in ``outputs``; ``chunk_size`` is TRL's tiling
+        and has no use here (the kernel plans its own chunks)."""
+        return tuple(fused_linear_log_probs(
+            hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale,
+            softcap=final_logit_softcapping or None, outputs=outputs))
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.args.loss_type != "nll" or self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ValueError("FusedSFTTrainer computes the plain NLL loss (loss_type='nll', no label smoothing, "
-                             "no compute_loss_func)")
-        if self.aux_loss_enabled:
-            raise ValueError("FusedSFTTrainer does not add the MoE router loss")
-        # SFTTrainer has already patched the forward with its own fused LM head (`fused_lm_head=True`);
-        # ours wraps it and takes over only when called with `fused_loss=True`.
-        model = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        patch_forward(model, when_training=False)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if self.model.training else "eval"
-        inputs["use_cache"] = False
-        if num_items_in_batch is None:
-            # As TRL: the micro-batch's own token count, at least 1 (no NaN without tokens)
-            targets = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
-            divisor = (targets != -100).sum().clamp(min=1)
-        else:
-            divisor = num_items_in_batch
-        outputs = model(**inputs, fused_loss=True, num_items_in_batch=divisor, return_metrics=True)
-        loss = outputs.loss
-        # As `Trainer.compute_loss`: `num_items_in_batch` counts every rank's tokens, and DDP averages gradients
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+def _trl_utils():
+    try:
+        version = importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError("use_in_trl needs TRL: pip install trl==1.16.*") from None
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_TRL_VERSIONS):
+        raise RuntimeError(f"use_in_trl was tested with TRL {', '.join(TESTED_TRL_VERSIONS)}, not {version}: its "
+                           "fused LM head may call its kernel differently. Install a tested version.")
+    from trl.trainer import utils
 
-        # TRL's metrics: sums over the ranks, then ratios (0 without tokens)
-        stats = token_metrics(outputs.metrics, sum_across=lambda t: self.accelerator.gather_for_metrics(t).sum())
-        self._metrics[mode]["entropy"].append(stats["entropy"].item())
-        self._metrics[mode]["mean_token_accuracy"].append(stats["mean_token_accuracy"].item())
-        if mode == "train":
-            if "attention_mask" in inputs:
-                num_tokens = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-            elif "position_ids" in inputs:
-                local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
-                num_tokens = self.accelerator.gather_for_metrics(local).sum().item()
-            else:
-                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self._total_train_tokens += num_tokens // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+    if not hasattr(utils, "_ChunkedLogProbFunction") or not hasattr(utils, "add_fused_lm_head"):
+        raise RuntimeError(f"TRL {version} has no fused LM head kernel to replace (trl.trainer.utils)")
+    return utils
 
-        if return_outputs:  # evaluation asking for logits: one more forward, without the loss
-            with torch.no_grad():
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-        return (loss, outputs) if return_outputs else loss
+
+def use_in_trl(enabled: bool = True) -> None:
+    """Makes TRL's fused LM head compute through fused-linear-ce (``enabled=False``: TRL's own again).
+
+    Call it once, before or after building the trainer: every ``model(..., fused_lm_head=True)``
+    from then on (SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer and the others that
+    use ``add_fused_lm_head``) takes its per-token outputs from ``fused_linear_log_probs``, with
+    TRL's own masking, shifting and parameter gathering around it. Raises on a TRL version whose
+    contract was not tested (``TESTED_TRL_VERSIONS``)."""
+    global _trl_own_kernel
+    utils = _trl_utils()
+    if enabled and utils._ChunkedLogProbFunction is not FusedLogProbs:
+        _trl_own_kernel = utils._ChunkedLogProbFunction
+        utils._ChunkedLogProbFunction = FusedLogProbs
+    elif not enabled and utils._ChunkedLogProbFunction is FusedLogProbs:
+        utils._ChunkedLogProbFunction = _trl_own_kernel
+        _trl_own_kernel = None

@@ -135,8 +135,14 @@ def _grad_logits(
     HAS_Z_LOSS: tl.constexpr,
     HAS_LSE_GRAD: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
+    entropy_grad=None,  # [BLOCK_N] fp32 d out / d entropy_i (HAS_ENTROPY_GRAD)
+    HAS_ENTROPY_GRAD: tl.constexpr = False,
 ):
-    """d out / d u for one tile: the gradient with respect to the raw logits h.w + b."""
+    """d out / d u for one tile: the gradient with respect to the raw logits h.w + b.
+
+    With HAS_ENTROPY_GRAD the rows' entropies H_i = -sum_j p_ij log p_ij take gradient too:
+    d H_i / d z_ij = -p_ij (log p_ij + H_i). The caller folds -e_i H_i into ``lse_grad`` (a
+    coefficient of p like lse's); the log p_ij = z_ij - lse_i part is added here."""
     prob_coef = loss_grad
     if HAS_Z_LOSS:
         prob_coef = prob_coef * (1.0 + 2.0 * z_loss_scale * lse)
@@ -146,6 +152,8 @@ def _grad_logits(
     if HAS_SMOOTHING:
         target_coef = loss_grad * (1.0 - label_smoothing)
     grad = probs * prob_coef[:, None] - tl.where(is_target, target_coef[:, None], 0.0)
+    if HAS_ENTROPY_GRAD:
+        grad = grad - probs * (entropy_grad[:, None] * (logits - lse[:, None]))
     if HAS_SMOOTHING:
         if HAS_CLASS_WEIGHT:
             grad = grad - (smooth_grad * (label_smoothing * inv_vocab_size))[:, None] * class_weight[None, :]
@@ -159,6 +167,8 @@ def _grad_logits(
     keep = loss_grad != 0.0
     if HAS_LSE_GRAD:
         keep = keep | (lse_grad != 0.0)
+    if HAS_ENTROPY_GRAD:
+        keep = keep | (entropy_grad != 0.0)
     return tl.where(keep[:, None], grad, 0.0)
 
 
@@ -228,15 +238,17 @@ def _logit_tile_kernel(
     tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32        (modes 0, 1)
     tile_entropy_ptr,  # [n_rows, num_tiles] fp32        (RETURN_METRICS)
     tile_argmax_ptr,  # [n_rows, num_tiles] int32        (RETURN_METRICS)
-    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32      (HAS_SMOOTHING)
+    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32      (HAS_SMOOTHING: sum_j z_j)
+    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32         (SUM_SQ: sum_j exp(2 (z_j - m)))
     target_logit_ptr,  # [n_rows] fp32, written by the tile that holds the target
     out_ptr,  # [n_rows, V] shifted logits (mode 1) or grad logits (mode 2)
     lse_ptr,  # [n_rows] fp32                              (mode 2)
     loss_grad_ptr,  # [n_rows] fp32                        (mode 2)
     lse_grad_ptr,  # [n_rows] fp32                         (mode 2, HAS_LSE_GRAD)
-    row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3)
+    row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3, ROW_REFERENCE)
     class_weight_ptr,  # [V] fp32 class weights             (HAS_CLASS_WEIGHT)
     smooth_grad_ptr,  # [n_rows] fp32                      (mode 2, HAS_CLASS_WEIGHT)
+    entropy_grad_ptr,  # [n_rows] fp32 d out / d entropy_i (mode 2, HAS_ENTROPY_GRAD)
     # sizes
     n_rows,
     vocab_size,
@@ -275,6 +287,9 @@ def _logit_tile_kernel(
     HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
     EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
     PICK_TARGET: tl.constexpr = True,  # modes 0, 1: the tile holding a row's target writes its logit
+    SUM_SQ: tl.constexpr = False,  # modes 0, 1: also each tile's sum of squared exponentials
+    ROW_REFERENCE: tl.constexpr = False,  # mode 0: sums relative to the row reference, as mode 3's
+    HAS_ENTROPY_GRAD: tl.constexpr = False,  # mode 2: the rows' entropies take gradient too
 ):
     """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
 
@@ -330,6 +345,9 @@ def _logit_tile_kernel(
             lse_grad = loss_grad
             if HAS_LSE_GRAD:
                 lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+            entropy_grad = loss_grad
+            if HAS_ENTROPY_GRAD:
+                entropy_grad = tl.load(entropy_grad_ptr + offs_n, mask=row_mask, other=0.0)
             class_weight = lse  # a placeholder without HAS_CLASS_WEIGHT
             smooth_grad = loss_grad
             if HAS_CLASS_WEIGHT:
@@ -341,20 +359,23 @@ def _logit_tile_kernel(
                 logit_scale, softcap, label_smoothing, z_loss_scale,
                 HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
                 HAS_LSE_GRAD=HAS_LSE_GRAD, HAS_CLASS_WEIGHT=HAS_CLASS_WEIGHT,
+                entropy_grad=entropy_grad, HAS_ENTROPY_GRAD=HAS_ENTROPY_GRAD,
             )
         else:
             # ---- tile statistics ----------------------------------------------------------
             tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
             row_ref = tile_max
-            if MODE == MODE_STATS_AND_EXP:
+            if MODE == MODE_STATS_AND_EXP or ROW_REFERENCE:
                 row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
-            reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=MODE == MODE_STATS_AND_EXP)
+            reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=MODE == MODE_STATS_AND_EXP or ROW_REFERENCE)
             tile_out = logits - reference[:, None]  # z - m (<= 0 unless m is the row's reference)
             exp_shifted = tl.exp2(tile_out * LOG2E)
             sum_exp = tl.sum(exp_shifted, axis=1)
             stat_offs = offs_n64 * num_tiles + pid_v
             tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
             tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
+            if SUM_SQ:  # sum_j p_j^2 of the row, from exp(z - m)^2 merged as sum_exp is, with squared weights
+                tl.store(tile_sum_sq_ptr + stat_offs, tl.sum(exp_shifted * exp_shifted, axis=1), mask=row_mask)
             if RETURN_METRICS:
                 entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
                 tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
@@ -483,6 +504,8 @@ def _combine_tiles_kernel(
     row_argmax_ptr,  # [n_rows] int64 out (RETURN_METRICS)
     row_logit_sum_ptr,  # [n_rows] fp32 out (HAS_SMOOTHING)
     row_ref_ptr,  # [n_rows] fp32 reference B of the tiles' sums (ROW_REFERENCE)
+    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32 (SUM_SQ)
+    row_sum_sq_ptr,  # [n_rows] fp32 out, sum_j exp(2 (z_j - row_max)) (SUM_SQ)
     # sizes
     n_rows,
     num_tiles,
@@ -493,8 +516,10 @@ def _combine_tiles_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC_DTYPE: tl.constexpr = tl.float32,  # of the statistics (fp64 for fp64 inputs)
+    SUM_SQ: tl.constexpr = False,
 ):
-    """Merges the per-tile statistics of each row (``_merge_tiles``)."""
+    """Merges the per-tile statistics of each row (``_merge_tiles``), and with SUM_SQ the tiles'
+    sums of squared exponentials, each rescaled by the square of its tile's weight."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = offs_r < n_rows
     row_ref = tl.zeros((BLOCK_R,), ACC_DTYPE)
@@ -509,6 +534,19 @@ def _combine_tiles_kernel(
     _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
                      offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
                      RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING)
+    if SUM_SQ:
+        safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+        base = offs_r.to(tl.int64)[:, None] * num_tiles
+        sum_sq = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
+        for t in range(0, num_tiles, BLOCK_T):
+            offs_t = t + tl.arange(0, BLOCK_T)
+            mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
+            tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
+            tile_sum_sq = tl.load(tile_sum_sq_ptr + base + offs_t[None, :], mask=mask, other=0.0)
+            reference = _exp_reference(tile_max, row_ref[:, None], ROW_REFERENCE)
+            weight = tl.where(tile_max > float("-inf"), tl.exp(reference - safe_max[:, None]), 0.0)
+            sum_sq += weight * weight * tile_sum_sq
+        tl.store(row_sum_sq_ptr + offs_r, tl.sum(sum_sq, axis=1), mask=row_mask)
 
 
 @triton.jit

@@ -67,7 +67,7 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _TUNING_KEY = [
     "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
     "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
-    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET",
+    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET", "SUM_SQ", "ROW_REFERENCE", "HAS_ENTROPY_GRAD",
 ]
 _autotuned = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_logit_tiles)
@@ -262,7 +262,7 @@ def _group_rows(hidden: torch.Tensor) -> int:
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
                         lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
-                        return_metrics=False, pick_target=True):
+                        return_metrics=False, pick_target=True, entropy_grad=None, logit_sum=False):
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     kernel, fixed = _logit_kernel(block_v, hidden.element_size())
@@ -274,7 +274,8 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
     hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16]) if use_tma else hidden
     weight_arg = TensorDescriptor.from_tensor(weight, [16, 16]) if use_tma else weight
     out_arg = dummy if out is None else (TensorDescriptor.from_tensor(out, [16, 16]) if tma_store else out)
-    tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum = tile_stats
+    tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, tile_sum_sq = tile_stats
+    sum_sq = tile_sum_sq is not dummy
     max_programs = _max_programs(hidden.device)
 
     def grid(meta):
@@ -283,7 +284,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
 
     args = (
         hidden_arg, weight_arg, bias if bias is not None else dummy, targets,
-        tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, target_logit,
+        tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, tile_sum_sq, target_logit,
         out_arg,
         lse if lse is not None else dummy,
         loss_grad if loss_grad is not None else dummy,
@@ -291,6 +292,7 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         row_ref if row_ref is not None else dummy,
         class_weight if class_weight is not None else dummy,
         smooth_grad if smooth_grad is not None else dummy,
+        entropy_grad if entropy_grad is not None else dummy,
         n_rows, vocab_size, hidden_size, _group_rows(hidden),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         out.stride(0) if out is not None else 0,
@@ -311,7 +313,13 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
         HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
         EVEN_V=vocab_size % block_v == 0,
         PICK_TARGET=pick_target,
+        SUM_SQ=sum_sq,
+        ROW_REFERENCE=mode == K.MODE_STATS and row_ref is not None,
+        HAS_ENTROPY_GRAD=entropy_grad is not None,
     )
+    if logit_sum:  # in the statistics modes HAS_SMOOTHING only adds each tile's logit sum
+        assert mode != K.MODE_GRAD_LOGITS, "the logit sum is a statistic"
+        meta["HAS_SMOOTHING"] = True
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
         _set_descriptor_blocks({**descriptors, **fixed})
@@ -333,9 +341,10 @@ def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, o
 
 
 def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_ref, loss_grad, class_weight,
-           target_logit, return_metrics):
+           target_logit, return_metrics, logit_sum=False, sum_sq=False):
     """The logit kernel over a chunk: (tile statistics, target_logit, tile width, tiles a row).
-    Disabled statistics get the dummy tensor."""
+    Disabled statistics get the dummy tensor. Without a buffer, a ``row_ref`` takes the sums
+    relative to it (as the factored training sweep's, so that both give the same statistics)."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)  # once a chunk: the state carries it to the buffer's passes
@@ -348,7 +357,7 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
 
     tile_stats = (
         tile_array(True), tile_array(True), tile_array(return_metrics),
-        tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing),
+        tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing or logit_sum), tile_array(sum_sq),
     )
     if row_ref is not None and target_logit is None:  # mode 3 writes no target logit: it must come along
         raise ValueError("row_stats takes row_ref with its target_logit (both from row_reference)")
@@ -362,7 +371,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     else:
         mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
     gluon = None
-    if mode == K.MODE_STATS and not pick_target or mode == K.MODE_STATS_AND_EXP and _gluon_training():
+    plain_stats = mode == K.MODE_STATS and not pick_target and row_ref is None and not (logit_sum or sum_sq)
+    if plain_stats or mode == K.MODE_STATS_AND_EXP and _gluon_training():
         gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
     buffer = shifted_out if mode == K.MODE_STATS_AND_EXP else None  # mode 0 stores none
     if gluon is not None and gluon.applies(hidden, weight, buffer) and _gluon_tile_stats(
@@ -370,7 +380,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         return tile_stats, target_logit, block_v, num_tiles
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
                         tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target)
+                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target,
+                        logit_sum=logit_sum)
     return tile_stats, target_logit, block_v, num_tiles
 
 
@@ -441,7 +452,8 @@ def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row
     return True
 
 
-def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics: bool, f32: dict) -> RowStats:
+def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics: bool, f32: dict,
+                   logit_sum: bool = False, sum_sq: bool = False) -> RowStats:
     device = f32["device"]
     return RowStats(
         row_max=torch.empty(n_rows, **f32),
@@ -449,7 +461,8 @@ def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics:
         target_logit=target_logit,
         entropy_term=torch.empty(n_rows, **f32) if return_metrics else None,
         argmax=torch.empty(n_rows, device=device, dtype=torch.int64) if return_metrics else None,
-        logit_sum=torch.empty(n_rows, **f32) if opts.has_smoothing else None,
+        logit_sum=torch.empty(n_rows, **f32) if opts.has_smoothing or logit_sum else None,
+        sum_sq=torch.empty(n_rows, **f32) if sum_sq else None,
     )
 
 
@@ -458,28 +471,32 @@ def _or_dummy(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 
 
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
-              class_weight=None, target_logit=None, return_metrics=False):
+              class_weight=None, target_logit=None, return_metrics=False, logit_sum=False, sum_sq=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
     ``z - tile_max`` there, or with ``row_ref`` [rows] (and ``loss_grad`` [rows]) the
     exponentials that ``row_factors`` turns into a factored gradient; the sweep leaves the
     target's logit to ``target_logit`` [rows] then (``row_reference``'s). Returns the stats and
     the state that ``grad_from_stored`` / ``row_factors`` need. ``class_weight`` [V] (fp32,
     with label smoothing only) weights the logit sum; with ``return_metrics`` the stats carry
-    each row's entropy term and argmax too."""
+    each row's entropy term and argmax too; ``logit_sum`` and ``sum_sq`` add each row's sum of
+    logits and sum_j exp(2 (z_j - row_max)) (for the mean logit and sum_j p_j^2)."""
     n_rows = hidden.shape[0]
     device = hidden.device
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, bias, targets, opts, shifted_out, row_ref,
-                                                          loss_grad, class_weight, target_logit, return_metrics)
-    stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32)
+                                                          loss_grad, class_weight, target_logit, return_metrics,
+                                                          logit_sum=logit_sum, sum_sq=sum_sq)
+    stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32, logit_sum=logit_sum, sum_sq=sum_sq)
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
-        *tile_stats,
+        *tile_stats[:5],
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device),
+        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device), tile_stats[5],
+        _or_dummy(stats.sum_sq, device),
         n_rows, num_tiles,
         RETURN_METRICS=return_metrics,
-        HAS_SMOOTHING=opts.has_smoothing,
+        HAS_SMOOTHING=opts.has_smoothing or logit_sum,
+        SUM_SQ=sum_sq,
         ROW_REFERENCE=row_ref is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
@@ -822,16 +839,18 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
-                class_weight=None, smooth_grad=None):
+                class_weight=None, smooth_grad=None, entropy_grad=None):
     """Recomputes a chunk's logits and stores its grad logits [rows, V] to ``out`` (lse known);
     adds their column sums to ``bias_grad_acc`` [V] fp32 unless it is None. Returns ``out``.
     With label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] give the smoothing
-    term its class weights (see ``_chunked.kernel_row_grads``)."""
+    term its class weights (see ``_chunked.kernel_row_grads``); ``entropy_grad`` [rows] is
+    d out / d entropy_i, whose -e_i H_i part the caller has put in ``lse_grad``."""
     dummy = _dummy(hidden.device)
     _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, block_v=tile_width(hidden.dtype),
                         out=out,
-                        tile_stats=(dummy,) * 5, target_logit=dummy, lse=lse, loss_grad=loss_grad,
-                        lse_grad=lse_grad, class_weight=class_weight, smooth_grad=smooth_grad)
+                        tile_stats=(dummy,) * 6, target_logit=dummy, lse=lse, loss_grad=loss_grad,
+                        lse_grad=lse_grad, class_weight=class_weight, smooth_grad=smooth_grad,
+                        entropy_grad=entropy_grad)
     if bias_grad_acc is not None:
         bias_grad_acc += torch.sum(out, dim=0, dtype=bias_grad_acc.dtype)
     return out

@@ -12,11 +12,14 @@ import importlib
 from . import causal_lm, layers, patching
 from .causal_lm import causal_lm_loss, token_metrics
 from .interface import fused_linear_cross_entropy
+from .log_probs import TokenOutputs, fused_linear_log_probs
 from .patching import fused_forward, logit_options, patch_forward, unpatch_forward
 
 __all__ = [
-    # the loss
+    # the loss, and the per-token outputs of RL and preference training
     "fused_linear_cross_entropy",
+    "fused_linear_log_probs",
+    "TokenOutputs",
     # integrations: transformers causal LMs, kernels layers, training metrics
     "causal_lm",
     "causal_lm_loss",

@@ -327,3 +327,157 @@ class FunctorchLoss(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):
         raise RuntimeError(FORWARD_AD_ERROR)
+
+
+# ---- per-token outputs ------------------------------------------------------------------
+_TOKEN_FLAGS = "bool metrics, bool logit_sum, bool sum_sq, bool grad_hidden, bool grad_weight, bool grad_bias"
+_TOKEN_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, {LossOptions.op_schema()}, "
+                         f"{_TOKEN_FLAGS}) -> ({', '.join(['Tensor'] * 9)})")
+_TOKEN_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor lse, Tensor loss_grad, "
+                          f"Tensor? lse_grad, Tensor? entropy_grad, {LossOptions.op_schema()}, "
+                          "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::token_forward", mutates_args=(), schema=_TOKEN_FORWARD_SCHEMA)
+def token_forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                     *args) -> tuple[Tensor, ...]:
+    """(lse, log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs, grad_hidden, grad_weight,
+    grad_bias), all per row [N] but the gradients, of the loss options in ``args`` (flat, then
+    which statistics: metrics (entropy and is_top1), the logit sum, the sum of squares, then which
+    gradients to compute in the same sweep). Statistics not asked for are empty. The gradients are
+    those of -sum_i log_probs_i (d out / d log_probs_i = -1 on every row with a target); empty when
+    not asked for. Rows whose target is ``ignore_index`` get 0 (False) everywhere."""
+    opts = LossOptions.from_op_args(args)
+    metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    with _no_autocast(hidden):
+        res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
+                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True)
+    def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
+        return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
+
+    return (
+        res.lse, res.loss.neg(), wanted(metrics, res.entropy),
+        res.correct.bool() if metrics else res.lse.new_empty(0, dtype=torch.bool),
+        wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
+        _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
+    )
+
+
+@token_forward_op.register_fake
+def _(hidden, weight, targets, bias, *args):
+    metrics, logit_sum, sum_sq, grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    n_rows = hidden.shape[0]
+    acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+
+    def per_row(wanted, dtype=None):
+        return torch.empty((n_rows,) if wanted else (0,), device=hidden.device, dtype=dtype or acc["dtype"])
+
+    return (
+        per_row(True), per_row(True), per_row(metrics), per_row(metrics, torch.bool), per_row(logit_sum),
+        per_row(sum_sq),
+        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+        hidden.new_empty(weight.shape if grad_weight else (0,)),
+        hidden.new_empty(bias.shape if grad_bias else (0,)),
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::token_backward", mutates_args=(), schema=_TOKEN_BACKWARD_SCHEMA)
+def token_backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
+                      loss_grad: Tensor, lse_grad: Tensor | None, entropy_grad: Tensor | None,
+                      *args) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients by recomputation for the per-row coefficients: ``loss_grad`` [N] of the loss
+    lse - z_t (minus d out / d log_probs), ``lse_grad`` [N] of lse, ``entropy_grad`` [N] of the
+    entropy (its -e H part inside ``lse_grad``); ``args``: the options, then which gradients."""
+    opts, grads = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    with _no_autocast(hidden):
+        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
+                                  entropy_grad=entropy_grad)
+    return tuple(_or_empty(g, hidden) for g in grads)
+
+
+@token_backward_op.register_fake
+def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    return (
+        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+        hidden.new_empty(weight.shape if grad_weight else (0,)),
+        hidden.new_empty(bias.shape if grad_bias else (0,)),
+    )
+
+
+# Whether a backward of per-token outputs last found d out / d log_probs equal on every row with
+# a target (and no entropy gradient): then the gradients made in the forward's sweep, scaled, are
+# exact. Keyed by the outputs asked for; a trainer whose loss weights its tokens alike (SFT's NLL)
+# keeps the sweep's gradients, one whose weights differ (RL, preference losses) recomputes them.
+_uniform_grads: dict[tuple, bool] = {}
+
+
+def speculates(key: tuple) -> bool:
+    """Whether a per-token forward of outputs ``key`` computes gradients in its sweep."""
+    return _uniform_grads.get(key, True)
+
+
+def _token_setup_context(ctx, inputs, output):
+    hidden, weight, targets, bias, *args = inputs
+    opts = LossOptions.from_op_args(args)
+    metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    lse, log_probs, entropy, *rest = output
+    ctx.mark_non_differentiable(lse, *rest)
+    ctx.set_materialize_grads(False)
+    ctx.options = opts
+    ctx.has_bias = bias is not None
+    ctx.speculated = any(grads)
+    ctx.consumed = False
+    ctx.key = (metrics, logit_sum, sum_sq)
+    saved_grads = rest[3:] if ctx.speculated else ()
+    ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), lse,
+                          entropy if metrics else None, *saved_grads)
+
+
+def _uniform_weight(log_prob_grad: Tensor, valid: Tensor) -> Tensor | None:
+    """The common value c of ``log_prob_grad`` [N] on the rows with a target (0-d, on the device),
+    or None where it differs between them (one host sync)."""
+    first = torch.argmax(valid.to(torch.int8))  # 0 when no row has a target: then any value will do
+    common = log_prob_grad[first]
+    if not bool(torch.where(valid, log_prob_grad == common, True).all()):
+        return None
+    return common
+
+
+def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
+    if log_prob_grad is None and entropy_grad is None:
+        return (None,) * (4 + _NUM_OPTIONS + 6)
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[3])
+    hidden, weight, targets, bias, lse, entropy, *saved_grads = ctx.saved_tensors
+    opts = ctx.options
+    valid = targets != opts.ignore_index
+    if ctx.speculated:
+        if ctx.consumed:
+            raise RuntimeError("fused_linear_log_probs computed its gradients in the forward and they were already "
+                               "used: backward through it twice (retain_graph=True) is not supported.")
+        ctx.consumed = True
+        common = _uniform_weight(log_prob_grad, valid) if entropy_grad is None and log_prob_grad is not None else None
+        _uniform_grads[ctx.key] = common is not None
+        if common is not None:  # the sweep's gradients are those of -sum log_probs: scale by -c
+            grads = []
+            for g, w in zip(saved_grads, want, strict=True):
+                if w and g.numel():
+                    scale_op(g, -common)
+                grads.append(g if w else None)
+            return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 6))
+    zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
+    loss_grad = zero.expand_as(lse) if log_prob_grad is None else torch.where(valid, -log_prob_grad.to(lse.dtype), zero)
+    row_entropy_grad, row_lse_grad = None, None
+    if entropy_grad is not None:
+        row_entropy_grad = torch.where(valid, entropy_grad.to(lse.dtype), zero).contiguous()
+        row_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
+    grads = token_backward_op(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad,
+                              row_entropy_grad, *opts.op_args(), *want)
+    grads = [g if w else None for g, w in zip(grads, want, strict=True)]
+    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 6))
+
+
+token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_context)

@@ -92,6 +92,7 @@ class RowStats:
     entropy_term: torch.Tensor | None = None  # fp32, with metrics
     argmax: torch.Tensor | None = None  # int64, with metrics
     logit_sum: torch.Tensor | None = None  # fp32, with label smoothing; sum_j w_j z_j with class weights w
+    sum_sq: torch.Tensor | None = None  # fp32 sum_j exp(2 (z_j - row_max)), for sum_j p_j^2
 
 
 @dataclass
@@ -103,6 +104,8 @@ class RowResults:
     correct: torch.Tensor | None = None  # int32, with metrics
     entropy: torch.Tensor | None = None  # fp32, 0 on ignored rows, with metrics
     prediction: torch.Tensor | None = None  # int64 argmax, with metrics
+    mean_logit: torch.Tensor | None = None  # fp32 sum_j z_j / V, 0 on ignored rows (token outputs)
+    log_sum_sq: torch.Tensor | None = None  # fp32 log sum_j p_j^2, 0 on ignored rows (token outputs)
 
 
 def env_int(name: str, default: int) -> int:
