@@ -1,9 +1,11 @@
 """Supervised fine-tuning with TRL and the fused linear cross-entropy, on a tiny random model.
 
-The trainer ships with the kernel: ``flce.trl.FusedSFTTrainer`` (``fused_linear_ce.trl`` when
-pip-installed), an ``SFTTrainer`` whose loss skips the logits and which logs TRL's
-``mean_token_accuracy`` and ``entropy``. This script builds a tiny random Llama, a word-level
-tokenizer and prompt-completion data in code (nothing is downloaded) and trains a few steps.
+TRL's trainers (SFT, DPO, GRPO, KTO, RLOO) compute their per-token log-probabilities through a
+fused LM head that never materializes the (tokens, vocab) logits. ``flce.trl.use_in_trl()``
+(``fused_linear_ce.trl`` when pip-installed) makes that head run fused-linear-ce's kernel: call it
+before building the trainer, and ``use_in_trl(False)`` to get TRL's own head back. This script
+builds a tiny random Llama, a word-level tokenizer and prompt-completion data in code (nothing
+is downloaded) and trains ``SFTTrainer`` a few steps.
 
     python examples/trl_sft_fused.py        # on the CPU, the kernel from this checkout
 """
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 
 import torch
-from trl import SFTConfig
+from trl import SFTConfig, SFTTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,9 +30,9 @@ def load_kernel():
     return get_kernel(REPO_ID, version=1, trust_remote_code=True)
 
 
-def tiny_setup(vocab_size: int = 128, num_examples: int = 16, seed: int = 0):
-    """A tiny random Llama, a word-level tokenizer and a pre-tokenized prompt-completion dataset,
-    built in code (nothing is downloaded)."""
+def tiny_setup(vocab_size: int = 128, num_examples: int = 16, seed: int = 0, initializer_range: float = 0.02):
+    """A tiny random Llama (2 layers, hidden 32), a word-level tokenizer ("w3 w17 ..." -> ids) and a
+    pre-tokenized prompt-completion dataset, built in code (nothing is downloaded)."""
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -42,7 +44,7 @@ def tiny_setup(vocab_size: int = 128, num_examples: int = 16, seed: int = 0):
                                         eos_token="<eos>")
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2)
+                         eos_token_id=2, initializer_range=initializer_range)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(seed)
@@ -63,8 +65,12 @@ def main():
         completion_only_loss=True,
     )
     flce = load_kernel()
-    trainer = flce.trl.FusedSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
-    trainer.train()
+    flce.trl.use_in_trl()  # TRL's fused LM head now runs fused-linear-ce
+    try:
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer.train()
+    finally:
+        flce.trl.use_in_trl(False)
     for record in trainer.state.log_history:
         print(record)
 

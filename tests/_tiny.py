@@ -5,6 +5,7 @@ labels (a prompt, padding) and labels that agree with the model's own argmax at 
 positions, so that the token accuracy is not trivially 0.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -105,3 +106,191 @@ def assert_grads_as_accurate(model, exact: dict, fp32: dict, factor: float = 2.0
 def grads(model) -> dict:
     """Copies of the parameters' gradients, by name (tied parameters appear once)."""
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+# ---- TRL's trainers -----------------------------------------------------------------------
+# TRL 1.16's trainers score tokens through a fused LM head (trl.trainer.utils.add_fused_lm_head),
+# which calls the module global ``_ChunkedLogProbFunction``; ``flce.trl.use_in_trl()`` replaces it.
+TRAINERS = ("sft", "dpo", "kto", "grpo", "rloo")
+GENERATING = ("grpo", "rloo")
+# Logged values that measure the clock, not the training (``train_runtime``, ``eval_steps_per_second``...).
+CLOCK_SUFFIXES = ("step_time", "_runtime", "_per_second")
+
+
+def trl_example():
+    """examples/trl_sft_fused.py as a module (its ``tiny_setup`` builds the model, tokenizer and data)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trl_sft_fused", ROOT / "examples" / "trl_sft_fused.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_tiny_checkpoint(path: Path, seed: int = 0) -> str:
+    """Saves the example's tiny Llama and tokenizer to ``path`` and returns it: the trainers load the
+    model from there, as users do, and GRPO and RLOO their reference model too."""
+    # larger weights than the default 0.02: peaked next-token distributions, so that entropy,
+    # accuracy and the rewards' log-ratios are not those of a uniform distribution
+    model, tokenizer, _ = trl_example().tiny_setup(seed=seed, initializer_range=0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _words(generator: torch.Generator, n: int, low: int = 3, high: int = VOCAB) -> str:
+    return " ".join(f"w{int(i)}" for i in torch.randint(low, high, (n,), generator=generator))
+
+
+def trl_dataset(kind: str, num_examples: int, seed: int = 0):
+    """A text dataset in the format trainer ``kind`` takes: prompt-completion (sft), preference
+    pairs (dpo), labelled completions (kto), prompts alone (grpo, rloo)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(num_examples):
+        prompt = _words(g, 3)
+        # completions easy to learn (the same words every time) against random ones
+        good, bad = " w7 w8 w9", " " + _words(g, 2)
+        rows.append({
+            "sft": {"prompt": prompt, "completion": good},
+            "dpo": {"prompt": prompt, "chosen": good, "rejected": bad},
+            "kto": {"prompt": prompt, "completion": good if i % 2 else bad, "label": bool(i % 2)},
+            "grpo": {"prompt": prompt},
+            "rloo": {"prompt": prompt},
+        }[kind])
+    return Dataset.from_list(rows)
+
+
+def completion_length_reward(completions: list[str], **kwargs) -> list[float]:
+    """A tiny reward: the completion's length in characters, over 10."""
+    return [len(c) / 10 for c in completions]
+
+
+class CountingHead:
+    """Stands for ``_ChunkedLogProbFunction``: counts the calls (with the outputs each asks for)
+    and forwards them to the head it wraps."""
+
+    def __init__(self, head):
+        self.head, self.outputs = head, []
+
+    def apply(self, *args):
+        self.outputs.append(tuple(args[-1]))
+        return self.head.apply(*args)
+
+
+@dataclass
+class TrlRun:
+    """What a few steps of a TRL trainer produced: the log records (without clock values), the
+    parameters after training, the completions the reward function saw (GRPO, RLOO), the head
+    that scored the tokens and the outputs of each of its calls."""
+
+    logs: list[dict]
+    params: dict[str, torch.Tensor]
+    completions: list[str]
+    head: object
+    head_calls: list[tuple[str, ...]]
+
+
+def train_trl(kind: str, model_path: str, output_dir: Path, use_in_trl=None, *, steps: int = 3,
+              use_cpu: bool = True, bf16: bool = False) -> TrlRun:
+    """Trains TRL's trainer ``kind`` (one of TRAINERS) ``steps`` SGD steps from the checkpoint at
+    ``model_path``, with TRL's fused head, or, given ``use_in_trl`` (``flce.trl.use_in_trl``), with the
+    one it installs (and removes after); the non-generating trainers then evaluate once.
+
+    Everything is seeded (the trainers call ``set_seed(args.seed)``), so two runs draw the same
+    batches and, with the same weights, sample the same completions."""
+    import trl
+    from trl.trainer import utils
+
+    seen = []  # the completions the reward function scored
+
+    def reward(completions: list[str], **kwargs) -> list[float]:
+        seen.extend(completions)
+        return completion_length_reward(completions)
+
+    common = dict(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        optim="sgd", learning_rate=0.5, logging_steps=1, report_to="none", save_strategy="no", use_cpu=use_cpu,
+        bf16=bf16, seed=0, disable_tqdm=True,
+    )
+    # GRPO: the entropy bonus, the reference model's KL (beta) and two iterations on each generation
+    # (the second with the old log-probs, importance ratios != 1); at temperature 0.7, a few tokens
+    sampling = dict(use_vllm=False, num_generations=2, max_completion_length=4, temperature=0.7, beta=0.04)
+    configs = {
+        "sft": (trl.SFTConfig, trl.SFTTrainer, dict(completion_only_loss=True)),
+        "dpo": (trl.DPOConfig, trl.DPOTrainer, {}),
+        "kto": (trl.KTOConfig, trl.KTOTrainer, {}),
+        "grpo": (trl.GRPOConfig, trl.GRPOTrainer, dict(**sampling, entropy_coef=0.1, num_iterations=2)),
+        "rloo": (trl.RLOOConfig, trl.RLOOTrainer, sampling),
+    }
+    config_cls, trainer_cls, extra = configs[kind]
+    kwargs = dict(model=model_path, args=config_cls(**common, **extra), train_dataset=trl_dataset(kind, 16))
+    if kind in GENERATING:
+        kwargs["reward_funcs"] = reward
+    else:
+        kwargs["eval_dataset"] = trl_dataset(kind, 4, seed=1)
+
+    trl_head = utils._ChunkedLogProbFunction
+    if use_in_trl is not None:
+        use_in_trl()
+    try:
+        head = CountingHead(utils._ChunkedLogProbFunction)
+        utils._ChunkedLogProbFunction = head
+        try:
+            trainer = trainer_cls(**kwargs)
+            trainer.train()
+            if kind not in GENERATING:
+                trainer.evaluate()
+        finally:
+            utils._ChunkedLogProbFunction = head.head
+    finally:
+        if use_in_trl is not None:
+            use_in_trl(False)
+    assert utils._ChunkedLogProbFunction is trl_head, "use_in_trl(False) did not restore TRL's head"
+
+    logs = [{k: v for k, v in record.items() if not k.endswith(CLOCK_SUFFIXES)} for record in trainer.state.log_history]
+    params = {name: p.detach().cpu().clone() for name, p in trainer.model.named_parameters()}
+    return TrlRun(logs, params, seen, head.head, head.outputs)
+
+
+def abs_floor(key: str) -> float:
+    """The scale of a logged value's terms, for values that are differences of larger terms (near 0
+    while their terms are not, so their rounding error is relative to the terms): DPO's and KTO's
+    rewards are beta (0.1) times sums of a few log-probs of a few units (scale 1); the KL is a
+    log-ratio of such sums (KTO) or of per-token log-probs (GRPO, RLOO), scale 10; the mean logits
+    average O(1) logits; the GRPO and RLOO losses sum O(1) advantages times ratios near 1."""
+    name = key.removeprefix("eval_")
+    if name.startswith(("rewards/", "logits/")) or name.endswith("loss"):
+        return 1.0
+    return 10.0 if name == "kl" else 0.0
+
+
+# Logged fractions of tokens, pairs or ratios: a near-tie that rounds the other way moves them by a step.
+FRACTIONS = ("mean_token_accuracy", "rewards/accuracies", "clip_ratio/")
+
+
+def assert_runs_match(reference: TrlRun, run: TrlRun, rel: float, fraction_tol: float = 0.0) -> None:
+    """``run`` logged the same keys at the same steps as ``reference``, each value within ``rel`` of
+    the reference's (of ``abs_floor(key)`` for values that are differences of larger terms, within
+    ``fraction_tol`` for FRACTIONS), sampled the same completions, and ended with the same
+    parameters within ``rel`` of each tensor's largest entry. The first step that differs is named."""
+    same_completions = run.completions == reference.completions
+    assert [r.keys() for r in run.logs] == [r.keys() for r in reference.logs], "other logged keys"
+    for ref, got in zip(reference.logs, run.logs, strict=True):
+        for key, expected in ref.items():
+            name = key.removeprefix("eval_")
+            if fraction_tol and name.startswith(FRACTIONS):
+                tol = fraction_tol
+            else:
+                tol = rel * max(abs(expected), abs_floor(key))
+            assert abs(got[key] - expected) <= tol, (
+                f"step {ref.get('step')}: {key} = {got[key]!r}, TRL's head gives {expected!r} (tolerance {tol:.3g})"
+                + ("" if same_completions else "; the runs sampled different completions"))
+    assert same_completions, "the two runs sampled different completions"
+    for name, expected in reference.params.items():
+        got = run.params[name]
+        scale = expected.abs().max().item()
+        err = (got.double() - expected.double()).abs().max().item()
+        assert err <= rel * scale, f"parameter {name}: max error {err:.3g} > {rel:g} x {scale:.3g}"

@@ -1,42 +1,60 @@
-"""The kernel's TRL trainer (``flce.trl.FusedSFTTrainer``, the lazily imported ``trl`` module)
-trains and logs as TRL 1.16's own SFTTrainer: same loss, mean_token_accuracy, entropy and
-num_tokens at every logged step, in training and evaluation, and the same weights after a few
-steps (tiny model, CPU, float32). The package imports neither TRL nor transformers until then."""
+"""TRL 1.16's trainers train and log the same with the kernel as with TRL's own fused LM head.
 
-import importlib.util
+Each test trains one trainer (SFT, DPO, KTO, GRPO, RLOO) a few SGD steps on a tiny random Llama
+loaded from a local checkpoint, twice from the same weights, data and seed: with TRL's head, then
+with ``flce.trl.use_in_trl()`` (the kernel as ``get_kernel`` loads it). Every value TRL logs
+(loss, grad_norm and the head's metrics, listed in HEAD_METRICS) and every parameter after the
+steps must agree; GRPO and RLOO must sample the same completions.
+
+Tolerance, float32 on the CPU: rel 1e-5. Both heads compute in float32 from the same hidden
+states and weights, and differ only in the order of their sums over the vocabulary (TRL's
+chunks against the kernel's): a few float32 ulps (6e-8) on each log-prob and entropy, amplified
+through the backward of two layers and 2-3 SGD steps; a float64 stand-in for either head moves
+every logged value and parameter by at most 3e-6 of its scale. Values that are differences of
+larger terms (rewards, KL, mean logits, near-zero losses) are held to the scale of their terms
+(``abs_floor`` in _tiny.py). The trainers run the PyTorch path (TRITON_INTERPRET=0): the
+interpreter would take minutes a step.
+"""
+
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
-from _tiny import ROOT
+from _tiny import ROOT, assert_runs_match, save_tiny_checkpoint, train_trl
 
 trl = pytest.importorskip("trl")
 
+REL = 1e-5  # float32 rounding, see the module docstring
+
+# What each trainer logs from the head's outputs (log-probs, entropy, mean logits, top-1): the
+# comparison covers every logged key; these must be among them.
+HEAD_METRICS = {
+    "sft": ("loss", "grad_norm", "entropy", "mean_token_accuracy", "eval_loss", "eval_entropy",
+            "eval_mean_token_accuracy"),
+    "dpo": ("loss", "grad_norm", "entropy", "mean_token_accuracy", "logps/chosen", "logps/rejected",
+            "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logits/chosen",
+            "logits/rejected", "eval_loss", "eval_logps/chosen", "eval_rewards/margins", "eval_logits/chosen"),
+    "kto": ("loss", "grad_norm", "kl", "entropy", "logps/chosen", "logps/rejected", "rewards/chosen",
+            "rewards/rejected", "rewards/margins", "logits/chosen", "logits/rejected", "eval_loss", "eval_kl",
+            "eval_logps/chosen"),
+    "grpo": ("loss", "grad_norm", "policy_loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+             "clip_ratio/region_mean"),
+    "rloo": ("loss", "grad_norm", "kl", "entropy", "clip_ratio/region_mean"),
+}
+# The head's outputs each trainer asks for (its policy, then its reference model's log-probs)
+HEAD_OUTPUTS = {
+    "sft": {("log_probs", "entropy", "is_top1")},
+    "dpo": {("log_probs", "entropy", "mean_logits", "is_top1"), ("log_probs",)},
+    "kto": {("log_probs", "entropy", "mean_logits"), ("log_probs",)},
+    "grpo": {("log_probs", "entropy"), ("log_probs",)},
+    "rloo": {("log_probs", "entropy"), ("log_probs",)},
+}
+
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("trl_sft_fused", ROOT / "examples" / "trl_sft_fused.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _train(example, trainer_cls, output_dir, checkpointing=False, **kwargs):
-    model, tokenizer, dataset = example.tiny_setup(num_examples=16)
-    _, _, eval_dataset = example.tiny_setup(num_examples=6, seed=1)
-    args = trl.SFTConfig(
-        output_dir=str(output_dir), max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=3, optim="sgd", learning_rate=0.5, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, bf16=False, completion_only_loss=True, seed=0,
-        activation_checkpointing=checkpointing, disable_tqdm=True,
-    )
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
-                          processing_class=tokenizer, **kwargs)
-    trainer.train()
-    trainer.evaluate()
-    return trainer
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_package_import_leaves_trl_and_transformers_alone():
@@ -45,49 +63,57 @@ def test_package_import_leaves_trl_and_transformers_alone():
     code = ("import sys; import fused_linear_ce as flce; "
             "assert not {'trl', 'transformers', 'accelerate'} & set(sys.modules), sorted(sys.modules); "
             "assert 'trl' not in flce.__all__; "
-            "trainer = flce.trl.FusedSFTTrainer; import fused_linear_ce.trl as module; "
-            "assert module.FusedSFTTrainer is trainer and 'trl' in sys.modules")
+            "use = flce.trl.use_in_trl; import fused_linear_ce.trl as module; "
+            "assert module.use_in_trl is use")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "torch-ext")})
     assert run.returncode == 0, run.stderr
 
 
-def test_hub_kernel_has_the_trl_module(flce):
-    """Loaded by ``kernels`` (a flat folder, a package named by the metadata id), the submodule
-    imports too, with the kernel's own functions."""
-    module = flce.trl
-    assert module.__name__ == f"{flce.__name__}.trl"
-    assert issubclass(module.FusedSFTTrainer, trl.SFTTrainer)
-    assert module.patch_forward is flce.patch_forward
+def test_use_in_trl_swaps_the_head_and_back(flce):
+    """Loaded by ``kernels``, ``use_in_trl()`` puts the kernel's head in TRL's module global (once,
+    however often called) and ``use_in_trl(False)`` TRL's own back."""
+    from trl.trainer import utils
+
+    trl_head = utils._ChunkedLogProbFunction
+    try:
+        flce.trl.use_in_trl()
+        flce.trl.use_in_trl()
+        ours = utils._ChunkedLogProbFunction
+        assert ours is not trl_head and ours.__module__ == f"{flce.__name__}.trl"
+    finally:
+        flce.trl.use_in_trl(False)
+    assert utils._ChunkedLogProbFunction is trl_head
+    flce.trl.use_in_trl(False)
+    assert utils._ChunkedLogProbFunction is trl_head
 
 
-def test_fused_trainer_logs_as_sft_trainer(flce, example, tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch CPU path: the interpreter adds nothing here
-    reference = _train(example, trl.SFTTrainer, tmp_path / "reference")
-    # with SFTConfig's default activation checkpointing, which changes nothing but memory
-    fused = _train(example, flce.trl.FusedSFTTrainer, tmp_path / "fused", checkpointing=True)
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
+def test_trainer_trains_as_with_trls_head(flce, checkpoint, kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch path for CPU tensors
+    reference = train_trl(kind, checkpoint, tmp_path / "trl")
+    fused = train_trl(kind, checkpoint, tmp_path / "flce", use_in_trl=flce.trl.use_in_trl)
 
-    keys = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "grad_norm",
-            "eval_loss", "eval_mean_token_accuracy", "eval_entropy")
-    ref_logs = [{k: v for k, v in r.items() if k in keys} for r in reference.state.log_history]
-    fused_logs = [{k: v for k, v in r.items() if k in keys} for r in fused.state.log_history]
-    assert len(ref_logs) == 5  # 3 steps, the evaluation, the summary (without these keys)
-    assert [r.keys() for r in fused_logs] == [r.keys() for r in ref_logs]
-    for ref, got in zip(ref_logs, fused_logs, strict=True):
-        for key, value in ref.items():
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-    accuracies = [r[k] for r in ref_logs for k in ("mean_token_accuracy", "eval_mean_token_accuracy") if k in r]
-    assert max(accuracies) > 0.1 and min(accuracies) < max(accuracies)  # the metric is not trivially 0
+    # the kernel scored every token of the second run, TRL's of the first, with the same requests
+    assert fused.head.__module__ == f"{flce.__name__}.trl" and reference.head.__module__.startswith("trl.")
+    assert set(reference.head_calls) == HEAD_OUTPUTS[kind]
+    assert fused.head_calls == reference.head_calls
+    logged = set().union(*(record.keys() for record in reference.logs))
+    assert set(HEAD_METRICS[kind]) <= logged, sorted(set(HEAD_METRICS[kind]) - logged)
+    assert_runs_match(reference, fused, REL)
 
-    # SGD: the weights differ by lr times the gradients' fp32 differences (Adam would amplify
-    # those of near-zero gradients)
-    ref_params = dict(reference.model.named_parameters())
-    for name, p in fused.model.named_parameters():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-5, atol=1e-6)
+    # metrics that say something: the trainers learn and the accuracy is not trivially 0
+    values = {key: [r[key] for r in reference.logs if key in r] for key in HEAD_METRICS[kind]}
+    assert len(set(values["loss"])) > 1 and len(set(values["grad_norm"])) > 1
+    if kind == "sft":
+        assert max(values["mean_token_accuracy"] + values["eval_mean_token_accuracy"]) > 0.1
+    if kind in ("grpo", "rloo"):
+        assert len(set(reference.completions)) > 1 and max(values["kl"]) > 0
+        assert max(values["clip_ratio/region_mean"]) > 0 or kind == "rloo"  # GRPO's second iteration clips
 
 
 def test_example_script_trains(tmp_path):
-    """examples/trl_sft_fused.py as a user runs it: the kernel's trainer on its tiny model."""
+    """examples/trl_sft_fused.py as a user runs it: SFTTrainer with the kernel's head, tiny model."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU user's path
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_sft_fused.py")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=600)

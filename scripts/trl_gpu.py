@@ -1,0 +1,229 @@
+"""TRL's trainers on CUDA with fused-linear-ce's head (``flce.trl.use_in_trl()``) against TRL's own.
+
+1. The trainer checks of tests/test_trl.py (SFT, DPO, KTO, GRPO, RLOO on a tiny random Llama),
+   with a float32 model under ``bf16=True`` autocast, as TRL and transformers train in bf16.
+2. One SFTTrainer step on a 2-layer Llama-3-shaped model (vocab 128256, hidden 4096, intermediate
+   14336, 32 heads, 8 kv heads, bf16 weights, batch 4 x 2048 random tokens with a quarter of the
+   labels -100): the median time of the measured steps after warm-up and the peak memory, with
+   TRL's head, then with ours.
+
+Writes one JSON (GPU, versions, date, command, each check, each head's ms and MiB, ratios) and
+exits 1 if a check failed. No network: the kernel is this checkout (LOCAL_KERNELS).
+
+    python scripts/trl_gpu.py --out trl_gpu.json
+    python scripts/trl_gpu.py --cpu-smoke --out /tmp/trl_smoke.json   # the same logic, tiny, on the CPU
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+# bf16 autocast: both heads take the same hidden states and weights, but each rounds its own way
+# (which products run in bf16, whether the logits are rounded to bf16 before the softmax): per-token
+# log-probs and entropies then differ by about 2^-8 of the logits, and so do the losses, the
+# metrics and the gradients; parameters after two SGD steps differ by lr times that.
+BF16_REL = 3e-2
+# One near-tie rounded the other way flips a token's top-1 or one of DPO's 4 pairs per batch.
+BF16_FRACTION_TOL = 0.25
+FP32_REL = 1e-5  # the CPU smoke run: float32, as tests/test_trl.py
+
+LLAMA3_2_LAYERS = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                       num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                       max_position_embeddings=8192, tie_word_embeddings=False)
+TINY_SHAPES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                   tie_word_embeddings=False)
+
+
+def worst_differences(reference, run) -> dict:
+    """The largest relative difference of each logged key over the steps, and of the parameters."""
+    worst = {}
+    for ref, got in zip(reference.logs, run.logs, strict=False):  # a failed run may log less
+        for key, value in ref.items():
+            if key in got:
+                diff = abs(got[key] - value) / max(abs(value), 1e-12)
+                worst[key] = max(worst.get(key, 0.0), diff)
+    worst["parameters"] = max(
+        ((run.params[n].double() - p.double()).abs().max() / p.abs().max().clamp_min(1e-30)).item()
+        for n, p in reference.params.items())
+    return worst
+
+
+def check_trainers(flce, kinds, workdir: Path, cpu: bool) -> list[dict]:
+    """Each trainer with TRL's head and with ours, from the same checkpoint: the comparison of
+    tests/test_trl.py, with the bf16 tolerances on CUDA."""
+    from _tiny import GENERATING, assert_runs_match, save_tiny_checkpoint, train_trl
+
+    checkpoint = save_tiny_checkpoint(workdir / "tiny-llama")
+    records = []
+    for kind in kinds:
+        # bf16: after the first step the two runs' weights differ by bf16 rounding, enough to
+        # sample other completions: the generating trainers compare their first step only
+        steps = 3 if cpu else (1 if kind in GENERATING else 2)
+        record = {"trainer": kind, "steps": steps}
+        start = time.perf_counter()
+        try:
+            device = dict(use_cpu=cpu, bf16=not cpu, steps=steps)
+            reference = train_trl(kind, checkpoint, workdir / f"{kind}-trl", **device)
+            fused = train_trl(kind, checkpoint, workdir / f"{kind}-flce", use_in_trl=flce.trl.use_in_trl, **device)
+            record["worst_rel_difference"] = worst_differences(reference, fused)
+            record["last_log"] = reference.logs[-1]
+            assert fused.head.__module__ == f"{flce.__name__}.trl", f"the head was {fused.head!r}"
+            assert fused.head_calls and fused.head_calls == reference.head_calls, "other head calls"
+            if cpu:
+                assert_runs_match(reference, fused, FP32_REL)
+            else:
+                assert_runs_match(reference, fused, BF16_REL, fraction_tol=BF16_FRACTION_TOL)
+            record["ok"] = True
+        except Exception as error:  # recorded, and the next trainer runs
+            record.update(ok=False, error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps({k: v for k, v in record.items() if k != "traceback"}, default=str), flush=True)
+        records.append(record)
+    return records
+
+
+def sft_step_dataset(vocab_size: int, seq_len: int, num_rows: int, prompt_fraction: float):
+    """Random token ids, the first ``prompt_fraction`` of each row a prompt (labels -100)."""
+    import torch
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    prompt = int(seq_len * prompt_fraction)
+    ids = torch.randint(3, vocab_size, (num_rows, seq_len), generator=g).tolist()
+    mask = [0] * prompt + [1] * (seq_len - prompt)
+    return Dataset.from_dict({"input_ids": ids, "completion_mask": [mask] * num_rows})
+
+
+def time_sft_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int,
+                  workdir: Path, cpu: bool) -> dict:
+    """Median wall time of one SFTTrainer optimizer step (synchronized) over ``steps`` steps after
+    ``warmup`` ones, and the peak memory allocated during the measured steps."""
+    import torch
+    from _tiny import trl_example
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    device = "cpu" if cpu else "cuda"
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ms, self.start = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            if state.global_step == warmup and not cpu:
+                torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            if state.global_step > warmup:  # global_step counts the step just done
+                self.ms.append((time.perf_counter() - self.start) * 1e3)
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(pad_token_id=0, **shapes)).to(torch.bfloat16)
+    dataset = sft_step_dataset(shapes["vocab_size"], seq_len, batch * (warmup + steps), prompt_fraction=0.25)
+    args = SFTConfig(
+        output_dir=str(workdir / ("sft-flce" if ours else "sft-trl")), max_steps=warmup + steps,
+        per_device_train_batch_size=batch, max_length=seq_len, optim="sgd", learning_rate=1e-5, bf16=not cpu,
+        use_cpu=cpu, logging_steps=warmup + steps, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    # the data is tokenized: the tokenizer only pads (and names the pad token)
+    _, tokenizer, _ = trl_example().tiny_setup(num_examples=1)
+    timer = StepTimer()
+    if ours:
+        flce.trl.use_in_trl()
+    try:
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[timer])
+        trainer.train()
+    finally:
+        if ours:
+            flce.trl.use_in_trl(False)
+    assert len(timer.ms) == steps, timer.ms
+    result = {"ms": round(statistics.median(timer.ms), 3), "ms_each": [round(t, 3) for t in timer.ms],
+              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
+              "loss": trainer.state.log_history[0].get("loss"),
+              "gradient_checkpointing": args.gradient_checkpointing}
+    del trainer, model
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    print(json.dumps({"head": "flce" if ours else "trl", **result}), flush=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the logic")
+    parser.add_argument("--trainers", default="sft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
+    parser.add_argument("--no-checks", action="store_true", help="skip part 1")
+    parser.add_argument("--no-timing", action="store_true", help="skip part 2")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before timing (3; 1 with --cpu-smoke)")
+    parser.add_argument("--steps", type=int, default=None, help="steps timed (10; 2 with --cpu-smoke)")
+    args = parser.parse_args()
+    cpu = args.cpu_smoke
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "0"  # CPU tensors take the PyTorch path, before triton is imported
+
+    import torch
+    from _tiny import trl_example
+
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu-smoke on the CPU")
+    flce = trl_example().load_kernel()
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "gpu": "cpu-smoke" if cpu else torch.cuda.get_device_name(),
+        "versions": {name: version(name) for name in ("torch", "triton", "trl", "transformers", "accelerate")},
+    }
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        if not args.no_checks:
+            record["tolerances"] = ({"rel": FP32_REL} if cpu else
+                                    {"rel": BF16_REL, "fractions": BF16_FRACTION_TOL, "autocast": "bf16"})
+            record["checks"] = check_trainers(flce, args.trainers.split(","), workdir, cpu)
+            failed = not all(c["ok"] for c in record["checks"])
+        if not args.no_timing:
+            shapes = TINY_SHAPES if cpu else LLAMA3_2_LAYERS
+            batch, seq_len = (2, 64) if cpu else (4, 2048)
+            warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+            steps = args.steps if args.steps is not None else (2 if cpu else 10)
+            timing = {"model": shapes, "batch": batch, "seq_len": seq_len, "ignored_label_fraction": 0.25,
+                      "dtype": "bfloat16", "optimizer": "sgd", "warmup_steps": warmup, "timed_steps": steps}
+            for head in ("trl", "flce"):
+                timing[head] = time_sft_step(flce, head == "flce", shapes, batch, seq_len, warmup, steps, workdir,
+                                             cpu)
+            timing["ratio_ms"] = round(timing["flce"]["ms"] / timing["trl"]["ms"], 4)
+            if not cpu:
+                timing["ratio_mib"] = round(timing["flce"]["peak_mib"] / timing["trl"]["peak_mib"], 4)
+            record["sft_step"] = timing
+    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    print(f"wrote {args.out}" + (" (a check failed)" if failed else ""), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
