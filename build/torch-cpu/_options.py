@@ -1,6 +1,5 @@
 """Plain data shared by the layers: the loss options and the per-row statistics."""
 
-import os
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -103,9 +102,3 @@ class RowResults:
     correct: torch.Tensor | None = None  # int32, with metrics
     entropy: torch.Tensor | None = None  # fp32, 0 on ignored rows, with metrics
     prediction: torch.Tensor | None = None  # int64 argmax, with metrics
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer knob from the environment (used by tests and benchmarks), else ``default``."""
-    value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
