@@ -2,11 +2,13 @@
 side, and where the time of a training step goes (torch.profiler, per kernel).
 
     python lab/explore.py --rows llama3,gemma2 --variants "BLOCK_V=256,TMA=1;BLOCK_V=128,TMA=1"
+
+A variant is a set of the kernel's settings (``_settings.Settings``' fields, any case:
+``block_v=128,gluon=0``), each taken through ``_settings.override`` for the variant's timings.
 """
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -83,20 +85,19 @@ def time_logit_kernel(flce, hidden, weight, targets, config):
     buffer = backend.new_buffer(rows, weight.shape[0], hidden.dtype, hidden.device)
     row_ref, target_logit = backend.row_reference(h, weight, t.clamp(min=0), options)
     loss_grad = torch.ones(rows, device=h.device)
-    os.environ["FLCE_CONFIG"] = config
+    settings = sys.modules[flce.__name__ + "._settings"]
     out = {}
     variants = {"stats": dict(shifted_out=None), "stats_and_buffer": dict(shifted_out=buffer),
                 "stats_and_exp": dict(shifted_out=buffer, row_ref=row_ref, loss_grad=loss_grad,
                                           target_logit=target_logit)}
     try:
-        for name, kwargs in variants.items():
-            ms = do_bench(lambda kwargs=kwargs: backend.row_stats(h, weight, None, t, options, **kwargs),
-                          warmup=50, rep=200, return_mode="median")
-            out[f"{name}_tflops"] = 2 * rows * weight.shape[0] * weight.shape[1] / ms / 1e9
+        with settings.override(config=settings.parse_value("config", config)):
+            for name, kwargs in variants.items():
+                ms = do_bench(lambda kwargs=kwargs: backend.row_stats(h, weight, None, t, options, **kwargs),
+                              warmup=50, rep=200, return_mode="median")
+                out[f"{name}_tflops"] = 2 * rows * weight.shape[0] * weight.shape[1] / ms / 1e9
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:300]
-    finally:
-        del os.environ["FLCE_CONFIG"]
     return out
 
 
@@ -141,7 +142,8 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel ms of a step, busy and span")
     parser.add_argument("--trace", action="store_true", help="chrome trace of two steps per row, next to --out")
-    parser.add_argument("--configs", default="", help="';'-separated FLCE_CONFIG values to time the logit kernel with")
+    parser.add_argument("--configs", default="", help="';'-separated configurations of the logit kernel to time "
+                        "(BLOCK_N,BLOCK_K,warps,stages,persistent)")
     parser.add_argument("--gemm-rows", default="", help="','-separated chunk sizes for time_gemms")
     parser.add_argument("--softcap", type=float, default=None, help="a logit softcap (Gemma-2's is 30)")
     parser.add_argument("--inputs", default="lm", choices=["lm", "uniform"],
@@ -151,6 +153,9 @@ def main():
     if args.softcap is not None:
         LOSS_OPTIONS["softcap"] = args.softcap
     flce, _ = load_flce()
+    settings = sys.modules[flce.__name__ + "._settings"]
+    # (variant, its settings) in order, repeats kept; a misspelt setting fails here, before any timing
+    variants = [(variant, settings.parse(variant)) for variant in args.variants.split(";")]
     records, env_info = [], environment()
     if args.gemm_rows:
         for row in args.rows.split(","):
@@ -164,32 +169,28 @@ def main():
                                               ignored_share=ignore_fraction(row))
         ref = reference(hidden, weight, targets, softcap=args.softcap)
         flops = 2 * n_tokens * vocab_size * hidden_size
-        for variant in args.variants.split(";"):
-            env = dict(kv.split("=") for kv in variant.split(",") if kv)
-            for k, v in env.items():
-                os.environ[f"FLCE_{k}"] = v
+        for variant, changes in variants:
             try:
-                fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,
-                                                             args.warmup_ms, args.fwd_only)
-                rec = {"row": row, "variant": variant, **LOSS_OPTIONS, "fwd_ms": fwd_ms,
-                       "fwd_tflops": flops / fwd_ms / 1e9}
-                with torch.no_grad():
-                    fwd_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS)
-                rec["fwd_loss_err"] = abs(fwd_loss.item() - ref[0].item()) / abs(ref[0].item())
-                if args.breakdown and step_ms is None:  # the forward's kernels (--fwd-only)
+                with settings.override(**changes):
+                    fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,
+                                                                 args.warmup_ms, args.fwd_only)
+                    rec = {"row": row, "variant": variant, **LOSS_OPTIONS, "fwd_ms": fwd_ms,
+                           "fwd_tflops": flops / fwd_ms / 1e9}
+                    with torch.no_grad():
+                        fwd_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS)
+                    rec["fwd_loss_err"] = abs(fwd_loss.item() - ref[0].item()) / abs(ref[0].item())
+                    if args.breakdown and step_ms is None:  # the forward's kernels (--fwd-only)
 
-                    def fwd(inputs=(hidden, weight, targets)):
-                        with torch.no_grad():
-                            flce.fused_linear_cross_entropy(*inputs, **LOSS_OPTIONS)
+                        def fwd(inputs=(hidden, weight, targets)):
+                            with torch.no_grad():
+                                flce.fused_linear_cross_entropy(*inputs, **LOSS_OPTIONS)
 
-                    rec["fwd_breakdown"] = kernel_breakdown(fwd)
-                if step_ms is not None:
-                    trace = bool(args.trace and args.out) and variant == args.variants.split(";")[0]
-                    rec.update(measure_step(flce, step, (h, w), targets, ref, step_ms, flops, args, row, trace))
+                        rec["fwd_breakdown"] = kernel_breakdown(fwd)
+                    if step_ms is not None:
+                        trace = bool(args.trace and args.out) and variant == args.variants.split(";")[0]
+                        rec.update(measure_step(flce, step, (h, w), targets, ref, step_ms, flops, args, row, trace))
             except Exception as e:  # a variant that fails to compile is a result
                 rec = {"row": row, "variant": variant, "error": f"{type(e).__name__}: {e}"[:400]}
-            for k in env:
-                os.environ.pop(f"FLCE_{k}")
             print(json.dumps(rec), flush=True)
             records.append(rec)
             if args.out:

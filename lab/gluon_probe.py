@@ -30,7 +30,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from fused_linear_ce import _gluon_stats, _options, _triton_backend  # noqa: E402
+from fused_linear_ce import _gluon_stats, _options, _settings, _triton_backend  # noqa: E402
 
 ROWS = {"llama2": (4096, 32000), "llama3": (4096, 128256)}  # (H, V), N = 8192 rows
 
@@ -76,11 +76,8 @@ def measure(row: str, n_rows: int, designs: list[str], triton_configs: list[str]
             "cublas": lambda: (hidden @ weight.T, None)}
     def forced(config):  # the logit kernel in one configuration ("BLOCK_N,BLOCK_K,warps,stages,persistent")
         def run():
-            os.environ["FLCE_CONFIG"] = config
-            try:
+            with _settings.override(config=_settings.parse_value("config", config)):
                 return triton_stats(_triton_backend, hidden, weight, targets, opts)
-            finally:
-                del os.environ["FLCE_CONFIG"]
         return run
 
     for config in triton_configs:
@@ -108,7 +105,8 @@ def main():
     parser.add_argument("--designs", default="",
                         help="comma-separated subset of gluon_stats, triton, cublas (default: all)")
     parser.add_argument("--triton-configs", default="",
-                        help="';'-separated FLCE_CONFIG values to time the logit kernel in")
+                        help="';'-separated configurations (BLOCK_N,BLOCK_K,warps,stages,persistent) "
+                             "to time the logit kernel in")
     parser.add_argument("--out")
     args = parser.parse_args()
     records = []

@@ -14,7 +14,8 @@ warm-up, on the rows of one head that all have a loss:
 - with ``--parts``, each product alone in chunks and whole, grad_hidden's transposed formulation,
   and the package's sweeps alone (``sweep chunks``: ``factored_chunk`` a chunk);
 - with ``--env NAME:K=V,...``, ``step [NAME]`` and ``sweep chunks [NAME]`` again under those
-  environment variables (the package reads its FLCE_* knobs at each call), for an A/B at the cap;
+  settings (``_settings.Settings``' fields, any case, through ``_settings.override``), for an A/B
+  at the cap;
 - ``--only`` keeps the named variants (','-separated, ``_`` for a space).
 
 The differences say what the sweep's epilogue and the per-row kernels cost (``step`` against
@@ -22,12 +23,11 @@ The differences say what the sweep's epilogue and the per-row kernels cost (``st
 variants run in order and then in reverse order, so that a drift of the clock shows.
 
     python lab/parts_probe.py --out parts.json [--heads llama2] [--inputs lm,uniform]
-        [--parts] [--env gluon:FLCE_GLUON_TRAINING=1] [--only "step,step_[gluon]"]
+        [--parts] [--env gluon:GLUON_TRAINING=1] [--only "step,step_[gluon]"]
 """
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -118,19 +118,11 @@ def sweep(hidden, weight, targets, chunks):
     return call
 
 
-def under_env(fn, variables: dict[str, str]):
-    """``fn`` called with the environment ``variables`` set (and restored after each call)."""
+def under_settings(fn, settings, changes: dict):
+    """``fn`` called with the package's ``settings`` module overridden by ``changes`` (restored after each call)."""
     def call():
-        saved = {key: os.environ.get(key) for key in variables}
-        os.environ.update(variables)
-        try:
+        with settings.override(**changes):
             fn()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
     return call
 
 
@@ -160,10 +152,12 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=1000)
     parser.add_argument("--parts", action="store_true", help="also each product alone, and the sweeps alone")
     parser.add_argument("--env", action="append", default=[],
-                        help="NAME:K=V,...: the step and the sweeps again under these variables")
+                        help="NAME:K=V,...: the step and the sweeps again under these settings")
     parser.add_argument("--only", default="", help="','-separated variants to keep, '_' for a space (default: all)")
     args = parser.parse_args()
     flce, loaded_from = load_flce()
+    settings = sys.modules[flce.__name__ + "._settings"]
+    ab_changes = {spec.split(":", 1)[0]: settings.parse(spec.split(":", 1)[1]) for spec in args.env}
     result = {"environment": environment(), "loaded_from": loaded_from, "results": []}
     for head in args.heads.split(","):
         hidden_size, vocab_size, n_tokens, _ = ROWS[head]
@@ -198,11 +192,9 @@ def main():
             if args.env and "sweep chunks" not in variants:
                 variants["sweep chunks"] = sweep(hidden, weight, targets,
                                                  step_chunks(rows, vocab_size, hidden_size, hidden.dtype))
-            for spec in args.env:
-                name, assignments = spec.split(":", 1)
-                variables = dict(kv.split("=", 1) for kv in assignments.split(","))
-                variants[f"step [{name}]"] = under_env(variants["step"], variables)
-                variants[f"sweep chunks [{name}]"] = under_env(variants["sweep chunks"], variables)
+            for name, changes in ab_changes.items():
+                variants[f"step [{name}]"] = under_settings(variants["step"], settings, changes)
+                variants[f"sweep chunks [{name}]"] = under_settings(variants["sweep chunks"], settings, changes)
             if args.only:
                 variants = {name: fn for name, fn in variants.items()
                             if name.replace(" ", "_") in args.only.split(",")}

@@ -6,7 +6,7 @@ A persistent sweep of B row blocks x T vocabulary tiles on P multiprocessors tak
 ceil(B T / P) rounds of one tile each. For each main head, and for N from 2048 to 70000 rows
 with 100%, 90%, 70% and 50% of them having a loss, this plans an evaluation forward (192-row
 tiles, chunks of at most 4032 rows) evenly and round-filled (``_chunked._fullest_first`` and
-``_fullest_chunk``, what FLCE_FILL_ROUNDS turns on) and compares their cost in rounds, plus
+``_fullest_chunk``, what the setting ``fill_rounds`` turns on) and compares their cost in rounds, plus
 ``--overhead`` rounds a chunk (its other launches): how often the filled plan is cheaper or
 dearer, and by how much on average. A model of the sweep, not a timing.
 """

@@ -112,15 +112,15 @@ def main() -> None:
 
     flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
     results = []
+    settings = sys.modules[f"{flce.__name__}._settings"]
     for index, case in enumerate(CASES):
         # several chunks of rows on the training and the merge-once paths, as in the gloo test
-        os.environ["FLCE_CHUNK_ROWS"] = "4" if index >= 1 else "4096"
         try:
-            _check_case(flce, rank, world, dict(case), device=f"cuda:{local_rank}")
+            with settings.override(chunk_rows=4 if index >= 1 else 4096):
+                _check_case(flce, rank, world, dict(case), device=f"cuda:{local_rank}")
             results.append({"case": case, "ok": True})
         except Exception:
             results.append({"case": case, "ok": False, "error": traceback.format_exc()[-800:]})
-    os.environ.pop("FLCE_CHUNK_ROWS")
     for check in (_check_metrics_bit_identity, _check_data_parallel, _check_dtensor):
         try:
             check(flce, rank, world, device=f"cuda:{local_rank}")

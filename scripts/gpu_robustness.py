@@ -286,25 +286,26 @@ def main():
     parser.add_argument("--parts", default="huge,fuzz,determinism,leaks",
                         help="comma-separated subset of huge, fuzz, determinism, leaks")
     args = parser.parse_args()
+    flce = load()
+    # one configuration of the logit kernel: the fuzz compiles fewer variants
+    one_config = sys.modules[f"{flce.__name__}._settings"].override(autotune=False)
     if args.fuzz_only:
-        os.environ["FLCE_AUTOTUNE"] = "0"
-        summary = fuzz(load(), args.fuzz_cases, args.fuzz_seconds, args.seed)
+        with one_config:
+            summary = fuzz(flce, args.fuzz_cases, args.fuzz_seconds, args.seed)
         Path(args.out).write_text(json.dumps(summary, default=str))
         return
-    flce = load()
     if args.digest_only:
         print(next(iter(step_digest(flce, 1))))
         return
-    os.environ["FLCE_AUTOTUNE"] = "0"  # one configuration: the fuzz compiles fewer variants
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
               "command": " ".join(sys.argv)}
     parts = args.parts.split(",")
-    if "huge" in parts:
-        record["huge_shapes"] = huge_shapes(flce)
-    if "fuzz" in parts:
-        record["fuzz"] = parallel_fuzz(args)
-    os.environ.pop("FLCE_AUTOTUNE")
+    with one_config:
+        if "huge" in parts:
+            record["huge_shapes"] = huge_shapes(flce)
+        if "fuzz" in parts:
+            record["fuzz"] = parallel_fuzz(args)
     if "determinism" in parts:
         in_process = step_digest(flce, 20)
         other = subprocess.run([sys.executable, __file__, "--digest-only"], capture_output=True, text=True)

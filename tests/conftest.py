@@ -12,10 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-else:
-    # Correctness tests on the GPU launch one configuration: autotuning a new one for every
-    # (H, V) the tests draw would cost minutes. test_loss.py checks the autotuned launch once.
-    os.environ.setdefault("FLCE_AUTOTUNE", "0")
 # The card's own line resolves this checkout instead of the Hub, offline.
 os.environ["LOCAL_KERNELS"] = f"qgallouedec/fused-linear-ce={ROOT}"
 
@@ -35,10 +31,23 @@ settings.load_profile("default")
 
 @pytest.fixture(scope="session")
 def flce():
-    """The kernel as users load it: ``get_kernel`` with the card's arguments."""
+    """The kernel as users load it: ``get_kernel`` with the card's arguments. Correctness tests
+    on the GPU launch one configuration of the logit kernel: autotuning a new one for every
+    (H, V) the tests draw would cost minutes (test_loss.py checks the autotuned launch once)."""
     from kernels import get_kernel
 
-    return get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+    kernel = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+    with submodule(kernel, "_settings").override(autotune=False):
+        yield kernel
+
+
+@pytest.fixture
+def tune(flce):
+    """Sets fields of the loaded kernel's settings for the rest of a test, e.g.
+    ``tune(chunk_rows=8)`` (``_settings.override``, undone when the test ends; a later call
+    adds to or replaces earlier ones)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(submodule(flce, "_settings").override(**changes))
 
 
 @pytest.fixture
@@ -130,7 +139,7 @@ def make_inputs(n, h, v, dtype, *, seed, device=DEVICE, bias=False, lead=None, i
 
 @contextlib.contextmanager
 def env(**values):
-    """Sets FLCE_* (or other) environment variables for the duration of a block (for hypothesis
+    """Sets environment variables (TRITON_INTERPRET) for the duration of a block (for hypothesis
     examples, where the function-scoped ``monkeypatch`` fixture does not reset between them)."""
     saved = {k: os.environ.get(k) for k in values}
     try:

@@ -23,6 +23,10 @@ class _Count:
         return self.count
 
 
+# Settings whose defaults the plans below assume, whatever FLCE_CHUNK_ROWS and FLCE_BUFFER_MIB say.
+DEFAULTS = dict(chunk_rows=None, buffer_mib=None)
+
+
 def _plan(flce, n_rows, chunk, count, training, row_block=128, sweep_tiles=None):
     chunked = submodule(flce, "_chunked")
     order = None if count is None else _Count(count)
@@ -61,13 +65,12 @@ def test_spans_cover_the_rows_to_compute_in_the_fewest_chunks(flce, n_rows, bloc
     assert all((end - start) % row_block == 0 for start, end in spans[1:-1])
 
 
-def test_llama2_forward_chunks_fill_their_rounds(flce, monkeypatch):
+def test_llama2_forward_chunks_fill_their_rounds(flce):
     """Llama-2's head (125 tiles of 256 a row block) on 132 multiprocessors, a forward of 8192
     rows of which 7373 have a loss, in 192-row tiles, chunks of at most 4032 (21 blocks): the
     first chunk takes 19 blocks (2375 tiles, 18 rounds for 17.99 of work; 21 blocks take 20 for
     19.89), the rest (3725 rows, 20 blocks) 19 rounds: 37 against the even plan's 20 + 18; and
     where the rest takes several chunks, their sizes fill rounds too."""
-    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
     first, spans = _plan(flce, 8192, 4032, 7373, training=False, row_block=192, sweep_tiles=(125, 132))
     assert first == 3648 and spans == [(0, 3648), (3648, 7373)]
     assert _rounds(spans, 192, 125, 132) == 37
@@ -81,11 +84,10 @@ def test_llama2_forward_chunks_fill_their_rounds(flce, monkeypatch):
     assert _rounds(spans, 192, 125, 132) == 18 + 128
 
 
-def test_llama3_forward_half_first_fills_its_rounds(flce, monkeypatch):
+def test_llama3_forward_half_first_fills_its_rounds(flce):
     """Llama-3's head (501 tiles a row block), 4096 rows of which 3686 have a loss: at most half
     first, 11 blocks (2112 rows, 42 rounds for 41.75 of work), or 10 (1920 rows, 38 for 37.95);
     the rest then 1766 rows (10 blocks, 38 rounds): 76 against 2112 + 1574 rows' 42 + 35."""
-    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
     first, spans = _plan(flce, 4096, 4032, 3686, training=False, row_block=192, sweep_tiles=(501, 132))
     assert first == 1920 and spans == [(0, 1920), (1920, 3686)]
     assert _rounds(spans, 192, 501, 132) == 76
@@ -120,20 +122,18 @@ def test_round_filled_chunks_keep_the_plan_and_never_take_more_rounds(flce, n_ro
     assert _rounds(spans, row_block, tiles, programs) <= _rounds(even, row_block, tiles, programs)
 
 
-def test_a_forward_that_fits_one_chunk_computes_half_first(flce, monkeypatch):
+def test_a_forward_that_fits_one_chunk_computes_half_first(flce):
     """Without gradients (no accumulation per chunk), 4096 rows that fit one chunk are taken as
     2048 then the rest with a loss, so that ignored rows beyond them are left out; with
     gradients, or when every row is computed anyway, one chunk."""
-    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
     assert _plan(flce, 4096, 4096, 3686, training=False) == (2048, [(0, 2048), (2048, 3686)])
     assert _plan(flce, 4096, 4096, 3686, training=True) == (4096, [(0, 4096)])
     assert _plan(flce, 4096, 4096, None, training=False) == (4096, [(0, 4096)])
     assert _plan(flce, 1024, 4096, 900, training=False) == (1024, [(0, 1024)])  # too few rows to split
 
 
-def test_chunk_rows_without_spread_is_the_largest_chunk(flce, monkeypatch):
-    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
-    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
+def test_chunk_rows_without_spread_is_the_largest_chunk(flce, tune):
+    tune(**DEFAULTS)
     backend = submodule(flce, "_triton_backend")
     # Llama-3's head, 8192 rows in chunks of at most 1536: spread evenly, six chunks of 1408
     # (whole blocks of 128); without spreading, the cap itself.
@@ -142,7 +142,7 @@ def test_chunk_rows_without_spread_is_the_largest_chunk(flce, monkeypatch):
     assert backend.chunk_rows(1000, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1000
 
 
-def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce, monkeypatch):
+def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce, tune):
     """Its logits (V x 2 bytes a row) and the hidden-sized blocks beside them (H x 4 bytes a row:
     the gathered rows and their scaled copy, or the fp32 grad_hidden block) within 2048 rows of
     logits: Llama-2's head (4096, 32000) takes 1536 rows (1536 x 80384 bytes <= 2048 x 64000 <
@@ -150,9 +150,7 @@ def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce
     rows stay beside the fp32 block (H x 6 bytes a row): a rank's slice of Llama-2's head
     (16000 columns, 32000 bytes a row) takes 2 x 2048 x 32000 // (32000 + 24576) = 2316, so 2304
     rows (the same 2048 rows' worth of the slice's logits)."""
-    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
-    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
-    monkeypatch.delenv("FLCE_WORKING_SET_ROWS", raising=False)
+    tune(**DEFAULTS)
     backend = submodule(flce, "_triton_backend")
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
     assert backend.chunk_rows(8192, 16000, torch.bfloat16, True, 2, spread=False, hidden_size=4096) == 2304
@@ -161,27 +159,24 @@ def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce
     assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536
 
 
-def test_the_working_set_knob_trades_memory_for_fewer_chunks(flce, monkeypatch):
-    """FLCE_WORKING_SET_ROWS replaces the 2048 rows of logits that bound a training chunk's working
+def test_the_working_set_knob_trades_memory_for_fewer_chunks(flce, tune):
+    """``working_set_rows`` replaces the 2048 rows of logits that bound a training chunk's working
     set: Llama-2's head (64000 + 16384 bytes a row) at 2600 takes 2600 x 64000 // 80384 = 2070, so
-    2048 rows (four chunks of 7405 rows, where 1536 take five) when FLCE_CHUNK_ROWS allows them;
+    2048 rows (four chunks of 7405 rows, where 1536 take five) when ``chunk_rows`` allows them;
     at 1024, 1024 x 64000 // 80384 = 815, so 768 rows."""
-    monkeypatch.delenv("FLCE_BUFFER_MIB", raising=False)
     backend = submodule(flce, "_triton_backend")
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "2048")
-    monkeypatch.setenv("FLCE_WORKING_SET_ROWS", "2600")
+    tune(buffer_mib=None, chunk_rows=2048, working_set_rows=2600)
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 2048
-    monkeypatch.setenv("FLCE_WORKING_SET_ROWS", "1024")
+    tune(working_set_rows=1024)
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 768
 
 
-def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
+def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, tune):
     """Where the forward's statistics come in 192-row tiles (the Gluon kernel), its chunks hold
     at most 4032 rows (21 tiles) and every chunk but the last is whole tiles: Llama-2's LM
     inputs (7405 rows with a loss of 8192) take 4032 rows, then 3373; without ignored rows the
     8192 are spread over three chunks of 2880 (15 tiles) and the rest."""
-    monkeypatch.delenv("FLCE_CHUNK_ROWS", raising=False)
-    monkeypatch.delenv("FLCE_SPLIT_FIRST", raising=False)
+    tune(**DEFAULTS)
     backend = submodule(flce, "_triton_backend")
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, spread=False, row_block=192) == 4032
     assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, row_block=192) == 2880
@@ -194,15 +189,14 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, monkeypatch):
     assert _plan(flce, 6000, 4032, 5400, training=False, row_block=192) == (3072, [(0, 3072), (3072, 5400)])
 
 
-def test_a_training_step_in_192_row_tiles_spreads_its_chunks_in_whole_tiles(flce, monkeypatch):
+def test_a_training_step_in_192_row_tiles_spreads_its_chunks_in_whole_tiles(flce, tune):
     """A step's largest chunk is the memory's (1536 rows here, whatever the tile); after the
     first, the rows are spread in whole tiles of the sweep. Llama-2's head, every one of 8192
     targets counted: in 128-row blocks four chunks of 1408 and one of 1024 after the first, tiles
     of 192 rows 8 + 4 x 8 + 6 = 46 a vocabulary tile; in 192-row tiles four of 1344 (7 tiles) and
     one of 1280, 8 + 5 x 7 = 43, the fewest 8192 rows take. Without an order (every row in place) the spread
     chunk is 1536 in 192s (six chunks: 43 tiles) and 1408 in 128s."""
-    for name in ("FLCE_CHUNK_ROWS", "FLCE_BUFFER_MIB", "FLCE_WORKING_SET_ROWS"):
-        monkeypatch.delenv(name, raising=False)
+    tune(**DEFAULTS)
     backend = submodule(flce, "_triton_backend")
     for row_block in (128, 192):
         assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096,
@@ -230,7 +224,7 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
     """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
     Hopper device: a 16-bit forward of plain logits, and a bf16 training step's factored sweep,
     plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs
-    or the tiles' own target pick (FLCE_TILE_TARGET=0) keep the logit kernel's 128 rows. z-loss
+    or the tiles' own target pick (``tile_target`` off) keep the logit kernel's 128 rows. z-loss
     does not change the forward's statistics, so it keeps the Gluon tiles there; a step with it
     is not factored."""
     backend = submodule(flce, "_triton_backend")
@@ -258,27 +252,25 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
     assert block(training=True) == 192
     assert block(training=True, z_loss_scale=1e-4) == block(torch.float16, training=True) == 128
     assert block(training=True, return_metrics=True) == 128
-    monkeypatch.setenv("FLCE_TRAINING_ROW_BLOCK", "128")
-    assert block(training=True) == 128 and block() == 192
-    monkeypatch.delenv("FLCE_TRAINING_ROW_BLOCK")
-    monkeypatch.setenv("FLCE_GLUON_TRAINING", "0")
-    assert block(training=True) == 128 and block() == 192
-    monkeypatch.delenv("FLCE_GLUON_TRAINING")
-    monkeypatch.setenv("FLCE_TILE_TARGET", "0")
-    assert block() == block(training=True) == 128
+    override = submodule(flce, "_settings").override
+    with override(training_row_block=128):
+        assert block(training=True) == 128 and block() == 192
+    with override(gluon_training=False):
+        assert block(training=True) == 128 and block() == 192
+    with override(tile_target=False):
+        assert block() == block(training=True) == 128
 
 
 def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     """A row's target entry leaves the bf16 products where its column is the target of at most
-    FLCE_RARE_TARGET (2) of the step's rows (OUT_ALWAYS), or may leave them (where its p_t is
+    ``rare_target`` (2) of the step's rows (OUT_ALWAYS), or may leave them (where its p_t is
     small: OUT_IF_IMPROBABLE) where it is of at most IMPROBABLE_MAX_COUNT; counted over the rows
     with a target in this weight's columns (ignored ones, also with an ignore_index inside the
-    vocabulary, and other ranks' columns count for nothing, and are flagged 0); FLCE_RARE_TARGET=-1
+    vocabulary, and other ranks' columns count for nothing, and are flagged 0); ``rare_target`` -1
     turns the rule off."""
     chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernels")
     backend = submodule(flce, "_triton_backend")
     always, if_improbable = kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value
-    monkeypatch.delenv("FLCE_RARE_TARGET", raising=False)
     targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2, 5, 5, 5])  # V = 8: 9 is another rank's
 
     def expected(rare, most, ignore_index=-100):
@@ -292,18 +284,17 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     assert flags() == expected(2, 64)
     assert flags(ignore_index=5) == expected(2, 64, ignore_index=5)
     assert flags(ignore_index=5)[-3:] == [0, 0, 0] and flags()[-3:] == [if_improbable] * 3
-    monkeypatch.setenv("FLCE_RARE_TARGET", "3")
-    assert flags() == expected(3, 64)
-    monkeypatch.setenv("FLCE_RARE_TARGET", "0")
-    assert flags() == expected(0, 64)
-    monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
-    assert flags() == expected(0, 3)
-    monkeypatch.setenv("FLCE_RARE_TARGET", "-1")  # no rule: no flags at all
-    assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None
+    override = submodule(flce, "_settings").override
+    with override(rare_target=3):
+        assert flags() == expected(3, 64)
+    with override(rare_target=0):
+        assert flags() == expected(0, 64)
+        monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
+        assert flags() == expected(0, 3)
+    with override(rare_target=-1):  # no rule: no flags at all
+        assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None
 
 
-GROWTH_KNOBS = ("FLCE_CHUNK_ROWS", "FLCE_BUFFER_MIB", "FLCE_WORKING_SET_ROWS", "FLCE_GROW_CHUNKS",
-                "FLCE_WEIGHT_GROUP", "FLCE_WEIGHT_FP32_MIB")
 
 
 def _step_chunk(flce, n_rows, vocab_size, hidden_size, dtype=torch.bfloat16, weight_grad=True, row_block=192,
@@ -314,7 +305,7 @@ def _step_chunk(flce, n_rows, vocab_size, hidden_size, dtype=torch.bfloat16, wei
                                row_block=row_block, weight_grad=weight_grad)
 
 
-def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memory(flce, monkeypatch):
+def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memory(flce, tune):
     """Llama-3's head (4096, 128256), bf16: a chunk of 1536 rows keeps 1536 x (256512 + 16384) =
     419 MB, and past 8 chunks grad_weight's fp32 sum adds V x H x 4 = 2101 MB. 32768 rows in 8
     chunks take ceil(4096 / 192) = 22 tiles, 4224 rows: 1153 MB (buffer 1083 MB < 2101): grown.
@@ -322,8 +313,7 @@ def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memor
     8256 rows a chunk would hold a buffer of 2118 MB, more than the sum: 1536. Gemma-2's head
     (2304, 256000) at 49152 rows: 6144 rows' buffer is 3146 MB against a sum of 2359: 1536; at
     32768, 4224 rows (2163 MB of buffer)."""
-    for name in GROWTH_KNOBS:
-        monkeypatch.delenv(name, raising=False)
+    tune(**DEFAULTS)
     assert _step_chunk(flce, 32768, 128256, 4096) == 4224
     assert _step_chunk(flce, 32768, 128256, 4096, row_block=128) == 4096
     assert _step_chunk(flce, 16384, 128256, 4096) == 2112
@@ -342,13 +332,12 @@ def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memor
         assert math.ceil(n_rows / grown) == 8
 
 
-def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, monkeypatch):
-    """No growth without grad_weight, for fp32 inputs (their grad_weight is its own sum), with
-    FLCE_GROW_CHUNKS=0, with FLCE_CHUNK_ROWS set (a cap), with groups larger than the chunks
-    (FLCE_WEIGHT_GROUP=1000: no fp32 sum), or for a small head summed in fp32 from the start (its
+def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, tune):
+    """No growth without grad_weight, for fp32 inputs (their grad_weight is its own sum), without
+    ``grow_chunks``, with ``chunk_rows`` set (a cap), with groups larger than the chunks
+    (``weight_group`` 1000: no fp32 sum), or for a small head summed in fp32 from the start (its
     V x H x 4 bytes within 64 MiB); on the PyTorch backend, whose chunks never grow."""
-    for name in GROWTH_KNOBS:
-        monkeypatch.delenv(name, raising=False)
+    tune(**DEFAULTS)
     backend = submodule(flce, "_triton_backend")
 
     def planned(vocab_size, hidden_size, dtype=torch.bfloat16):
@@ -365,15 +354,11 @@ def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, monkeypatc
     # 16512 would hold 4.23e9 a chunk (8.5 GB, under the 16.8 GB fp32 sum)
     assert _step_chunk(flce, 131072, 256000, 16384) == backend.chunk_rows(
         131072, 256000, torch.bfloat16, True, spread=False, hidden_size=16384, row_block=192)
-    monkeypatch.setenv("FLCE_GROW_CHUNKS", "0")
-    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
-    monkeypatch.delenv("FLCE_GROW_CHUNKS")
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "1536")
-    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
-    monkeypatch.delenv("FLCE_CHUNK_ROWS")
-    monkeypatch.setenv("FLCE_WEIGHT_GROUP", "1000")
-    assert _step_chunk(flce, 32768, 128256, 4096) == 1536
-    monkeypatch.delenv("FLCE_WEIGHT_GROUP")
+    override = submodule(flce, "_settings").override
+    assert _step_chunk(flce, 32768, 128256, 4096) == 4224  # grown, but for the settings below
+    for changes in (dict(grow_chunks=False), dict(chunk_rows=1536), dict(weight_group=1000)):
+        with override(**changes):
+            assert _step_chunk(flce, 32768, 128256, 4096) == 1536, changes
     torch_backend = submodule(flce, "_torch_backend")
     assert torch_backend.chunk_bytes(4096, 128256, torch.bfloat16, 4096) is None
     chunked = submodule(flce, "_chunked")

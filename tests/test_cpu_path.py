@@ -1,6 +1,6 @@
 """Plain CPU tensors outside the Triton interpreter take the chunked PyTorch path (the backend is
 chosen per call): random problems with every option match the float64 reference there, its
-chunks keep the fp32 logits and their one temporary within FLCE_BUFFER_MIB, and a few training
+chunks keep the fp32 logits and their one temporary within the buffer's MiB, and a few training
 steps of a tiny model with the fused causal-LM loss give the same losses, metrics, gradients and
 weights on that path, on the interpreter path, and with the model's own logits-based loss."""
 
@@ -51,7 +51,7 @@ def test_torch_path_matches_reference(flce, p):
         targets[targets == v // 2] = 0
     targets[torch.rand(n, generator=gen) < p["ignore"]] = -100
     hidden, weight, bias = (None if t is None else t.to(dtype).requires_grad_() for t in (hidden, weight, bias))
-    with env(TRITON_INTERPRET=0, FLCE_CHUNK_ROWS=p["chunk_rows"]):
+    with env(TRITON_INTERPRET=0), submodule(flce, "_settings").override(chunk_rows=p["chunk_rows"]):
         out = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_lse=p["return_lse"], **opts)
         out = out if isinstance(out, tuple) else (out,)
         loss = out[0]
@@ -94,18 +94,18 @@ def test_torch_path_matches_reference(flce, p):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab_size", [97, 32000, 128256])
-def test_torch_path_chunks_fit_the_buffer_size(flce, monkeypatch, dtype, vocab_size):
+def test_torch_path_chunks_fit_the_buffer_size(flce, tune, dtype, vocab_size):
     """Rows per chunk: the fp32 logits, one fp32 temporary of their size and (16-bit inputs) the
-    grad logits in that dtype fit in FLCE_BUFFER_MIB, with as many rows as fit (at least one)."""
+    grad logits in that dtype fit in ``buffer_mib``, with as many rows as fit (at least one)."""
     backend = submodule(flce, "_torch_backend")
     per_row = vocab_size * (8 + (dtype.itemsize if dtype.itemsize < 4 else 0))
     for mib in (4, 256):
-        monkeypatch.setenv("FLCE_BUFFER_MIB", str(mib))
+        tune(buffer_mib=mib, chunk_rows=None)
         rows = backend.chunk_rows(10**6, vocab_size, dtype, True)
         assert rows * per_row <= mib * 2**20
-        assert rows == 4096 or (rows + 1) * per_row > mib * 2**20  # as many as fit, up to FLCE_CHUNK_ROWS's 4096
+        assert rows == 4096 or (rows + 1) * per_row > mib * 2**20  # as many as fit, up to chunk_rows' 4096
         assert backend.chunk_rows(2, vocab_size, dtype, True) == 2  # never more rows than there are
-    monkeypatch.setenv("FLCE_BUFFER_MIB", "0")
+    tune(buffer_mib=0)
     assert backend.chunk_rows(10**6, vocab_size, dtype, True) == 1
 
 

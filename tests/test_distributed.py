@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _ranks import exit_without_teardown
-from conftest import DEVICE
+from conftest import DEVICE, submodule
 from reference import reference
 
 # The interpreter is slow; the sharding logic sits above the backend, so most cases use
@@ -51,9 +51,8 @@ def _worker(rank, world, store, error_file):
             os.environ["TRITON_INTERPRET"] = "1" if case_index == 0 else "0"
             # several chunks of rows (4 x world each): per-chunk all-reduces pair up across ranks
             # (training, case 1), or the chunks' statistics merge once (no gradient sweep, case 2)
-            os.environ["FLCE_CHUNK_ROWS"] = "4" if case_index >= 1 else "4096"
-            _check_case(flce, rank, world, dict(CASES[case_index]))
-        os.environ.pop("FLCE_CHUNK_ROWS")
+            with submodule(flce, "_settings").override(chunk_rows=4 if case_index >= 1 else 4096):
+                _check_case(flce, rank, world, dict(CASES[case_index]))
         os.environ["TRITON_INTERPRET"] = "0"
         _check_metrics_bit_identity(flce, rank, world)
         _check_data_parallel(flce, rank, world)

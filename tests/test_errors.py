@@ -133,10 +133,10 @@ def test_zero_dim_tensor_options_equal_their_values(flce, inputs):
 # ---- targets out of range with the check disabled -----------------------------------------------
 # V itself lands in the padding of the last vocabulary tile: it must not match a masked column.
 @pytest.mark.parametrize("bad_target", [V, -1, 10**6])
-def test_unchecked_out_of_range_target_gives_nan(flce, inputs, monkeypatch, bad_target):
-    """FLCE_CHECK_TARGETS=0 (as under torch.compile or CUDA-graph capture): no error, no crash,
+def test_unchecked_out_of_range_target_gives_nan(flce, tune, inputs, bad_target):
+    """No target check (``check_targets`` off, as under torch.compile or CUDA-graph capture): no error, no crash,
     a NaN loss for that row (and so for the mean); the other rows are unaffected."""
-    monkeypatch.setenv("FLCE_CHECK_TARGETS", "0")
+    tune(check_targets=False)
     targets = _set_first(inputs["targets"], bad_target)
     loss = flce.fused_linear_cross_entropy(**_with(inputs, targets=targets))
     assert torch.isnan(loss)

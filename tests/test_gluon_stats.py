@@ -7,7 +7,7 @@ The interpreter runs no Gluon, so these run on an H100 / H200 only; on any machi
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES_16, assert_rel, env, make_inputs, submodule, tolerance
+from conftest import DEVICE, DTYPES_16, assert_rel, make_inputs, submodule, tolerance
 from reference import reference
 
 HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
@@ -73,7 +73,7 @@ def _spy_gluon(monkeypatch, flce):
 def test_the_forward_takes_the_gluon_statistics_in_whole_tiles(flce, monkeypatch, dtype):
     """A forward without gradients of plain logits: its chunks are whole 192-row tiles (but the
     last), its statistics come from the Gluon kernel, and its losses are float64's; with
-    FLCE_GLUON=0 the logit kernel computes the same losses."""
+    ``gluon`` off the logit kernel computes the same losses."""
     n, h, v = 9000, 128, 1000
     hidden, weight, targets, _ = make_inputs(n, h, v, dtype, seed=7, ignore=0.1, requires_grad=False)
     expected = reference(hidden, weight, targets, reduction="none").loss
@@ -84,7 +84,7 @@ def test_the_forward_takes_the_gluon_statistics_in_whole_tiles(flce, monkeypatch
     assert sum(rows) == int((targets != -100).sum())  # the ignored rows are skipped
     assert_rel(losses, expected, tolerance(dtype, "loss"), "loss, Gluon statistics")
     rows.clear()
-    with env(FLCE_GLUON="0"), torch.no_grad():
+    with submodule(flce, "_settings").override(gluon=False), torch.no_grad():
         losses_triton = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
     assert rows == []
     assert_rel(losses_triton, expected, tolerance(dtype, "loss"), "loss, logit kernel")
@@ -196,46 +196,45 @@ def _spy_training_sweeps(monkeypatch, flce):
 
 @pytest.mark.parametrize("n, h, v", [(2000, 256, 1000), (3000, 128, 2048)])
 def test_a_training_step_takes_the_gluon_sweep_where_asked(flce, monkeypatch, n, h, v):
-    """A bf16 training step of plain logits (FLCE_GLUON_TRAINING=1, the default): every chunk's
+    """A bf16 training step of plain logits (``gluon_training``, the default): every chunk's
     sweep stores its exponentials from the Gluon kernel, and the loss and gradients are
-    float64's; with FLCE_GLUON_TRAINING=0 the logit kernel computes the same."""
+    float64's; without ``gluon_training`` the logit kernel computes the same."""
     hidden, weight, targets, _ = make_inputs(n, h, v, torch.bfloat16, seed=n, ignore=0.1)
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
     rows = _spy_training_sweeps(monkeypatch, flce)
-    for gluon_training in ("1", "0"):
+    for gluon_training in (True, False):
         rows.clear()
         hidden.grad = weight.grad = None
-        with env(FLCE_GLUON_TRAINING=gluon_training):
+        with submodule(flce, "_settings").override(gluon_training=gluon_training):
             loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
             loss.backward()
-        if gluon_training == "1":
+        if gluon_training:
             assert len(rows) >= 2  # several chunks
             assert sum(rows) == int((targets != -100).sum())  # the ignored rows are skipped
         else:
             assert rows == []
-        what = f"FLCE_GLUON_TRAINING={gluon_training}"
+        what = f"gluon_training={gluon_training}"
         assert_rel(loss, ref.loss, tolerance(torch.bfloat16, "loss"), f"loss, {what}")
         assert_rel(hidden.grad, ref.grad_hidden, tolerance(torch.bfloat16, "grad"), f"grad_hidden, {what}")
         assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {what}")
 
 
-@pytest.mark.parametrize("row_block", ["192", "128"])
+@pytest.mark.parametrize("row_block", [192, 128])
 def test_a_training_step_spreads_its_chunks_in_the_sweeps_tiles(flce, monkeypatch, row_block):
-    """Chunks of at most 768 rows (FLCE_CHUNK_ROWS): the first takes 768, and the rest of the
+    """Chunks of at most 768 rows (``chunk_rows``): the first takes 768, and the rest of the
     rows with a loss are spread over as few chunks as they need, every one but the last in
-    whole 192-row tiles of the Gluon sweep (FLCE_TRAINING_ROW_BLOCK=128: the logit kernel's 128);
+    whole 192-row tiles of the Gluon sweep (``training_row_block`` 128: the logit kernel's 128);
     the gradients stay float64's."""
     hidden, weight, targets, _ = make_inputs(2000, 128, 1000, torch.bfloat16, seed=17, ignore=0.1)
     count = int((targets != -100).sum())
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
     rows = _spy_training_sweeps(monkeypatch, flce)
-    with env(FLCE_CHUNK_ROWS="768", FLCE_TRAINING_ROW_BLOCK=row_block):
+    with submodule(flce, "_settings").override(chunk_rows=768, training_row_block=row_block):
         flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
-    block = int(row_block)
     assert rows[0] == 768 and sum(rows) == count
     assert len(rows) == 1 + -(-(count - 768) // 768)
-    assert all(r % block == 0 for r in rows[1:-1]) and 0 < rows[-1] <= rows[1]
-    if block == 192:  # and not 128-row blocks (about 1040 rows after the first: 576, then the rest)
+    assert all(r % row_block == 0 for r in rows[1:-1]) and 0 < rows[-1] <= rows[1]
+    if row_block == 192:  # and not 128-row blocks (about 1040 rows after the first: 576, then the rest)
         assert any(r % 128 for r in rows[1:-1]), rows
     assert_rel(hidden.grad, ref.grad_hidden, tolerance(torch.bfloat16, "grad"), f"grad_hidden, {row_block}")
     assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {row_block}")
@@ -243,14 +242,14 @@ def test_a_training_step_spreads_its_chunks_in_the_sweeps_tiles(flce, monkeypatc
 
 @pytest.mark.parametrize("options", [dict(return_metrics=True), dict(z_loss_scale=1e-3), dict(dtype=torch.float16)])
 def test_training_steps_the_gluon_sweep_cannot_take_use_the_logit_kernel(flce, monkeypatch, options):
-    """With FLCE_GLUON_TRAINING=1, metrics (the entropy and argmax of each tile), z-loss and
+    """With ``gluon_training`` on, metrics (the entropy and argmax of each tile), z-loss and
     fp16 (neither factored) keep the logit kernel's training sweep: no Gluon launch stores a
     buffer, and the gradients are float64's."""
     options = dict(options)
     dtype = options.pop("dtype", torch.bfloat16)
     hidden, weight, targets, _ = make_inputs(1000, 128, 700, dtype, seed=11, ignore=0.1)
     rows = _spy_training_sweeps(monkeypatch, flce)
-    with env(FLCE_GLUON_TRAINING="1"):
+    with submodule(flce, "_settings").override(gluon_training=True):
         out = flce.fused_linear_cross_entropy(hidden, weight, targets, **options)
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()

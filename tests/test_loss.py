@@ -57,7 +57,7 @@ def check_metrics(metrics, ref, dtype, reduction="mean"):
         assert torch.all(row_entropy.cpu()[ref.entropy == 0] == 0)  # exactly 0 at ignored rows
 
 
-# Each case: sizes, options, how the inputs are made, environment knobs ("env"); "go" is
+# Each case: sizes, options, how the inputs are made, settings (``_settings.override``); "go" is
 # d out / d loss for mean/sum.
 CASES = {
     "mean": dict(),
@@ -80,15 +80,15 @@ CASES = {
     "v_131_h_24": dict(v=131, h=24),
     "v_5_smaller_than_tile": dict(v=5, bias=True),
     "h_3": dict(h=3),
-    "chunks_mean": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), bias=True, ignore=0.2),
-    "chunks_none": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), bias=True, reduction="none"),
-    "chunks_of_1_sum": dict(n=5, env=dict(FLCE_CHUNK_ROWS=1), bias=True, reduction="sum", label_smoothing=0.1),
-    "block_v_16": dict(env=dict(FLCE_BLOCK_V=16), bias=True),
+    "chunks_mean": dict(n=37, settings=dict(chunk_rows=8), bias=True, ignore=0.2),
+    "chunks_none": dict(n=37, settings=dict(chunk_rows=8), bias=True, reduction="none"),
+    "chunks_of_1_sum": dict(n=5, settings=dict(chunk_rows=1), bias=True, reduction="sum", label_smoothing=0.1),
+    "block_v_16": dict(settings=dict(block_v=16), bias=True),
     # The logit kernel's tiles in groups of 32 rows (two of the interpreter's row blocks; the last
     # group has one), persistent programs striding over the groups.
-    "grouped_tiles": dict(n=37, env=dict(FLCE_GROUP_ROWS=32, FLCE_PERSISTENT=1), bias=True, ignore=0.2),
+    "grouped_tiles": dict(n=37, settings=dict(group_rows=32, persistent=True), bias=True, ignore=0.2),
     # H a multiple of 128: the pointer path's unmasked K loop (EVEN_K).
-    "h_128_even_k": dict(n=9, h=128, v=40, env=dict(FLCE_TMA=0), bias=True),
+    "h_128_even_k": dict(n=9, h=128, v=40, settings=dict(tma=False), bias=True),
     "b_t_h_hidden": dict(lead=(3, 7), ignore=0.2),
     "b_t_h_hidden_none": dict(lead=(3, 7), reduction="none"),
     "int32_targets": dict(target_dtype=torch.int32, ignore=0.2),
@@ -96,31 +96,30 @@ CASES = {
     # with ignored rows skipped; then rows whose max passes their sampled reference by more
     # than the gap (logits ~ N(0, 30^2), a one-row sample); then the grad-pass path and every
     # row computed, on the same kind of inputs.
-    "factored_chunks_ignored": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), ignore=0.3, logit_scale=0.7),
-    "factored_moved_rows": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8), scale=30.0, ignore=0.2),
-    # Every target entry in the products (FLCE_RARE_TARGET=-1: no take-out flags, no target terms).
-    "factored_entries_in": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_RARE_TARGET=-1), ignore=0.3),
-    "grad_pass_path": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_FACTORED=0), ignore=0.3, logit_scale=0.7),
-    "ignored_rows_computed": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_SKIP_IGNORED=0), ignore=0.3),
-    # The references in one launch a chunk (FLCE_PICK_ONCE=0) instead of one launch before the
+    "factored_chunks_ignored": dict(n=37, settings=dict(chunk_rows=8), ignore=0.3, logit_scale=0.7),
+    "factored_moved_rows": dict(n=37, settings=dict(chunk_rows=8), scale=30.0, ignore=0.2),
+    # Every target entry in the products (rare_target -1: no take-out flags, no target terms).
+    "factored_entries_in": dict(n=37, settings=dict(chunk_rows=8, rare_target=-1), ignore=0.3),
+    "grad_pass_path": dict(n=37, settings=dict(chunk_rows=8, factored=False), ignore=0.3, logit_scale=0.7),
+    "ignored_rows_computed": dict(n=37, settings=dict(chunk_rows=8, skip_ignored=False), ignore=0.3),
+    # The references in one launch a chunk (pick_once off) instead of one launch before the
     # chunks with the rows read through the order (the default, in the cases above).
-    "factored_reference_per_chunk": dict(n=37, env=dict(FLCE_CHUNK_ROWS=8, FLCE_PICK_ONCE=0), ignore=0.3,
+    "factored_reference_per_chunk": dict(n=37, settings=dict(chunk_rows=8, pick_once=False), ignore=0.3,
                                          logit_scale=0.7),
     # A 16-bit grad_weight over many chunks, summed in groups of two into an fp32 sum (the
     # small head's fp32 accumulator switched off), with and without the factored gradient.
-    "grouped_weight_sum": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0),
+    "grouped_weight_sum": dict(n=37, settings=dict(chunk_rows=4, weight_group=2, weight_fp32_mib=0),
                                ignore=0.2),
-    "grouped_weight_sum_bias": dict(n=37, env=dict(FLCE_CHUNK_ROWS=4, FLCE_WEIGHT_GROUP=3, FLCE_WEIGHT_FP32_MIB=0),
+    "grouped_weight_sum_bias": dict(n=37, settings=dict(chunk_rows=4, weight_group=3, weight_fp32_mib=0),
                                     bias=True, reduction="sum"),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_matches_reference(flce, monkeypatch, case, dtype):
+def test_matches_reference(flce, tune, case, dtype):
     c = dict(CASES[case])
-    for name, value in c.pop("env", {}).items():
-        monkeypatch.setenv(name, str(value))
+    tune(**c.pop("settings", {}))
     go = c.pop("go", 1.0)
     make = {k: c.pop(k) for k in ("bias", "lead", "ignore", "target_dtype", "scale") if k in c}
     if "ignore_index" in c:
@@ -146,17 +145,14 @@ def test_matches_reference(flce, monkeypatch, case, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES_16)
 @pytest.mark.parametrize("return_lse", [False, True], ids=["step", "recompute"])
-def test_a_step_of_grown_chunks_keeps_no_fp32_sum(flce, monkeypatch, dtype, return_lse):
-    """FLCE_BUFFER_MIB=0 plans 128-row chunks, so 300 rows with groups of two chunks
-    (FLCE_WEIGHT_GROUP=2; the small head's fp32 accumulator off) would take three chunks and an
+def test_a_step_of_grown_chunks_keeps_no_fp32_sum(flce, monkeypatch, tune, dtype, return_lse):
+    """``buffer_mib`` 0 plans 128-row chunks, so 300 rows with groups of two chunks
+    (``weight_group`` 2; the small head's fp32 accumulator off) would take three chunks and an
     fp32 sum of grad_weight (V x H x 4 = 196608 bytes). They take two instead, of half the rows
     in whole row blocks (256, or 192 in the Gluon sweep's tiles), whose buffer is smaller than
     that sum: no fp32 sum is made, and the gradients match float64's. ``return_lse`` takes the
     recomputing backward, which plans its chunks the same way."""
-    for name, value in dict(FLCE_BUFFER_MIB=0, FLCE_WEIGHT_GROUP=2, FLCE_WEIGHT_FP32_MIB=0).items():
-        monkeypatch.setenv(name, str(value))
-    for name in ("FLCE_CHUNK_ROWS", "FLCE_GROW_CHUNKS", "FLCE_WORKING_SET_ROWS"):
-        monkeypatch.delenv(name, raising=False)
+    tune(buffer_mib=0, weight_group=2, weight_fp32_mib=0, chunk_rows=None)
     chunked = submodule(flce, "_chunked")
     sums, original = [], chunked._Gradients._add_weight_chunk
 
@@ -174,7 +170,7 @@ def test_a_step_of_grown_chunks_keeps_no_fp32_sum(flce, monkeypatch, dtype, retu
     assert sums[0][0] in (192, 256)
     assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
     check_grads((hidden, weight, None), ref, dtype)
-    monkeypatch.setenv("FLCE_GROW_CHUNKS", "0")  # the plan without growth: three chunks, an fp32 sum
+    tune(grow_chunks=False)  # the plan without growth: three chunks, an fp32 sum
     sums.clear()
     hidden.grad = weight.grad = None
     out = flce.fused_linear_cross_entropy(hidden, weight, targets, return_lse=return_lse)
@@ -205,17 +201,16 @@ LSE_CASES = {
     "mean": dict(),
     "sum_bias_softcap": dict(reduction="sum", bias=True, softcap=4.0, logit_scale=2.0),
     "none_smoothing_zloss": dict(reduction="none", label_smoothing=0.1, z_loss_scale=1e-2, ignore=0.3),
-    "mean_chunks": dict(env=dict(FLCE_CHUNK_ROWS=7), bias=True, ignore=0.3),
+    "mean_chunks": dict(settings=dict(chunk_rows=7), bias=True, ignore=0.3),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(LSE_CASES), ids=list(LSE_CASES))
-def test_return_lse_with_gradient(flce, monkeypatch, case, dtype):
+def test_return_lse_with_gradient(flce, tune, case, dtype):
     """(loss, metrics, lse), and the gradient of loss * g + sum(lse * g') (the recomputing path)."""
     c = dict(LSE_CASES[case])
-    for name, value in c.pop("env", {}).items():
-        monkeypatch.setenv(name, str(value))
+    tune(**c.pop("settings", {}))
     make = {k: c.pop(k) for k in ("bias", "ignore") if k in c}
     hidden, weight, targets, bias = make_inputs(N, H, V, dtype, seed=7, **make)
     out = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True, return_lse=True, **c)
@@ -316,10 +311,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("tma", ["0", "1"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_and_load_paths(flce, monkeypatch, layout, tma):
-    monkeypatch.setenv("FLCE_TMA", tma)
+def test_layouts_and_load_paths(flce, tune, monkeypatch, layout, tma):
+    tune(tma=tma == "1")
     # Rows taken in place (skipping ignored rows gathers them into contiguous copies).
-    monkeypatch.setenv("FLCE_SKIP_IGNORED", "0")
+    tune(skip_ignored=False)
     decisions = _spy_tma(monkeypatch, flce)
     dtype = torch.float32
     hidden, weight = _layout(layout, 21, H, V, dtype, seed=len(layout))
@@ -338,9 +333,9 @@ def test_layouts_and_load_paths(flce, monkeypatch, layout, tma):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tma", ["0", "1"])
-def test_tma_and_pointer_paths_agree(flce, monkeypatch, dtype, tma):
+def test_tma_and_pointer_paths_agree(flce, tune, monkeypatch, dtype, tma):
     """Both load paths on 16-bit and fp32 inputs, forward (with the stored logits) and recompute backward."""
-    monkeypatch.setenv("FLCE_TMA", tma)
+    tune(tma=tma == "1")
     decisions = _spy_tma(monkeypatch, flce)
     hidden, weight, targets, bias = make_inputs(30, 24, 70, dtype, seed=11, bias=True, ignore=0.2)
     loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True,
@@ -381,10 +376,10 @@ def test_strided_bias(flce):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("wanted, with_bias", [("hidden", True), ("weight", True), ("bias", True),
                                                ("hidden+bias", True), ("hidden", False), ("weight", False)])
-def test_only_some_inputs_require_grad(flce, monkeypatch, wanted, with_bias, reduction):
+def test_only_some_inputs_require_grad(flce, tune, wanted, with_bias, reduction):
     """E.g. a frozen lm_head (only hidden), or a frozen trunk (only weight); without a bias, mean
     takes the factored gradient, here over chunks with ignored rows skipped (gathered rows)."""
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    tune(chunk_rows=8)
     hidden, weight, targets, bias = make_inputs(37, H, V, torch.float32, seed=12, bias=with_bias, ignore=0.3,
                                                 requires_grad=False)
     for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
@@ -418,10 +413,10 @@ def test_no_input_requires_grad(flce):
 
 # ---- metrics ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_ties_take_the_first_index(flce, monkeypatch, dtype):
+def test_argmax_ties_take_the_first_index(flce, tune, dtype):
     """Integer inputs make every logit exact, so ties are exact; copies of weight rows in other
     vocabulary tiles tie with the original, and only the first index counts as correct."""
-    monkeypatch.setenv("FLCE_BLOCK_V", "16")
+    tune(block_v=16)
     gen = torch.Generator().manual_seed(15)
     v, h, n = 70, 8, 32
     weight = torch.randint(-2, 3, (v, h), generator=gen).float()
@@ -447,10 +442,10 @@ def test_argmax_ties_take_the_first_index(flce, monkeypatch, dtype):
     assert torch.equal(metrics["predictions"].cpu(), first.cpu())
 
 
-def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
+def test_more_vocabulary_tiles_than_one_merge_block(flce, tune):
     """More than 128 vocabulary tiles (a real vocabulary on a GPU: V > 16384 at BLOCK_V 128): the
     tile statistics are merged in several blocks, argmax ties across blocks included."""
-    monkeypatch.setenv("FLCE_BLOCK_V", "16")
+    tune(block_v=16)
     v, h = 2100, 8  # 132 tiles of 16
     gen = torch.Generator().manual_seed(24)
     weight = torch.randint(-1, 2, (v, h), generator=gen).float()  # w . 1 <= 8 for these rows
@@ -470,9 +465,9 @@ def test_more_vocabulary_tiles_than_one_merge_block(flce, monkeypatch):
     assert_rel(metrics["entropy_sum"], ref.entropy_sum, tolerance(torch.float32, "loss"), "entropy_sum")
 
 
-def test_return_metrics_changes_nothing_bitwise(flce, monkeypatch):
+def test_return_metrics_changes_nothing_bitwise(flce, tune):
     """return_metrics=True leaves loss and every gradient bit-identical, on both gradient paths."""
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "10")
+    tune(chunk_rows=10)
     for reduction in ("mean", "none"):
         results = []
         for return_metrics in (False, True):
@@ -501,14 +496,14 @@ def _count_calls(monkeypatch, module, name):
 
 @pytest.mark.parametrize("pick_once", ["0", "1"])
 @pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])
-def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch, dtype, pick_once):
+def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkeypatch, dtype, pick_once):
     """A training step without bias, softcap, smoothing or z-loss: the logit sweep sees only
     the rows with a loss, and the gradient is factored, also for rows whose max passes their
     reference (the target's logit) by more than the gap; results as the reference. The
     references come from one row_reference call for every row of the step's order, its rows read
-    in place (the default), or with FLCE_PICK_ONCE=0 from one call a chunk."""
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
-    monkeypatch.setenv("FLCE_PICK_ONCE", pick_once)
+    in place (the default), or without ``pick_once`` from one call a chunk."""
+    tune(chunk_rows=8)
+    tune(pick_once=pick_once == "1")
     backend = submodule(flce, "_triton_backend")
     gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
     swept_rows, references, row_maxes = [], [], []
@@ -543,17 +538,16 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, monkeypatch,
     check_grads((hidden, weight, None), ref, dtype)
 
 
-def test_training_loss_is_the_forwards(flce, monkeypatch):
+def test_training_loss_is_the_forwards(flce, tune):
     """The factored training step takes each target's logit from a tensor-core product that sums
-    in the logit kernel's order (``row_reference``, FLCE_TILE_TARGET=1, the default), so that
+    in the logit kernel's order (``row_reference``, ``tile_target``, the default), so that
     the product's rounding cancels in lse - z_t: its loss equals the forward's (which takes it
-    from the same product, or from the tiles with FLCE_TILE_TARGET=0) to fp32 rounding. On a GPU
+    from the same product, or from the tiles without ``tile_target``) to fp32 rounding. On a GPU
     the products run in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot
     product would put TF32's error, about 1e-3 of a logit, into the training loss
-    (FLCE_TILE_TARGET=0 does that; test_matches_reference bounds
+    (``tile_target`` off does that; test_matches_reference bounds
     its error)."""
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "16")
-    monkeypatch.delenv("FLCE_TILE_TARGET", raising=False)  # the default
+    tune(chunk_rows=16)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
@@ -729,10 +723,10 @@ def test_add_target_rows_reaches_entries_past_2_31(flce):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(bias=True), dict(softcap=4.0)], ids=["plain", "bias", "softcap"])
-def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch, options):
+def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkeypatch, options):
     """A statistics sweep does not pick the target logit in its tiles (PICK_TARGET off: a compare
     and a select a logit fewer) but takes it from the tensor-core product of ``_picked_logits``,
-    with the tiles' bias, scale and softcap; FLCE_TILE_TARGET=0 picks it in the tiles. The
+    with the tiles' bias, scale and softcap; ``tile_target`` off picks it in the tiles. The
     per-row losses of both are equal to fp32 rounding, and the reference's. Chunks of 8 rows with
     20% ignored: the target logits of every chunk land in their rows."""
     backend = submodule(flce, "_triton_backend")
@@ -744,13 +738,13 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
         return launch(*args, pick_target=pick_target, **kwargs)
 
     monkeypatch.setattr(backend, "_launch_logit_tiles", recording_launch)
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "8")
+    tune(chunk_rows=8)
     hidden, weight, targets, bias = make_inputs(37, H, V, torch.float32, seed=43, bias=options.get("bias", False),
                                                 ignore=0.2, scale=3.0)
     softcap = options.get("softcap")
     losses = {}
     for tile_target in ("1", "0"):
-        monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+        tune(tile_target=tile_target == "1")
         picks.clear()
         with torch.no_grad():
             losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none",
@@ -765,10 +759,10 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, monkeypatch,
 
 @pytest.mark.parametrize("pick_once", ["1", "0"])
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training_with_bias"])
-def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, monkeypatch, training, pick_once):
+def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, monkeypatch, training, pick_once):
     """Without the factored gradient (a forward, or training with a bias), every row's target
     logit comes from one ``_picked_logits`` call before the chunks, the rows of the step's order
-    read in place (all of them, the ignored ones last); with FLCE_PICK_ONCE=0 from one call a
+    read in place (all of them, the ignored ones last); without ``pick_once`` from one call a
     chunk of the rows with a loss (a forward's chunks: at least 128 rows). Both give the
     reference's losses and gradients."""
     backend = submodule(flce, "_triton_backend")
@@ -781,8 +775,8 @@ def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, monkeypat
 
     monkeypatch.setattr(backend, "_picked_logits", recording_picked_logits)
     n_rows, chunk = (37, 8) if training else (300, 128)
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", str(chunk))
-    monkeypatch.setenv("FLCE_PICK_ONCE", pick_once)
+    tune(chunk_rows=chunk)
+    tune(pick_once=pick_once == "1")
     hidden, weight, targets, bias = make_inputs(n_rows, H, V, torch.float32, seed=53, bias=training, ignore=0.2,
                                                 scale=3.0)
     num_valid = int((targets != -100).sum())
@@ -806,18 +800,18 @@ def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, monkeypat
 
 
 @pytest.mark.parametrize("dtype", DTYPES_16)
-def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype):
+def test_product_target_logit_is_the_tiles_bit_for_bit(flce, tune, dtype):
     """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, N = 64)
     is the logit kernel's tile value bit for bit
     (m64n256k16 there): each wgmma output sums its own K terms in the same k16 steps, whatever N.
-    So the per-row losses of a forward that picks z_t in its tiles (FLCE_TILE_TARGET=0) and of
+    So the per-row losses of a forward that picks z_t in its tiles (``tile_target`` off) and of
     one that takes it from the product are equal. The interpreter's products are numpy's fp32
     matrix products, whose order of summation depends on the shapes: there, fp32 rounding of
     logits of size about 3 over H = 256 terms (1e-5)."""
     hidden, weight, targets, _ = make_inputs(200, 256, 512, dtype, seed=47, ignore=0.1, scale=3.0)
     losses = {}
     for tile_target in ("0", "1"):
-        monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+        tune(tile_target=tile_target == "1")
         with torch.no_grad():
             losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
     if DEVICE == "cuda":
@@ -829,12 +823,12 @@ def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype)
 
 
 @pytest.mark.parametrize("tile_target", ["0", "1"])
-def test_row_reference_picks_each_rows_target_logit(flce, monkeypatch, tile_target):
+def test_row_reference_picks_each_rows_target_logit(flce, tune, tile_target):
     """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
     (1), against float64: s * h_i . w_t, column 0's where the target is not
     a column of this weight (an ignored row, a target in another rank's slice), where the target
     logit is NaN. 37 rows: a partial last block of rows; H = 40: a partial K step."""
-    monkeypatch.setenv("FLCE_TILE_TARGET", tile_target)
+    tune(tile_target=tile_target == "1")
     hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=31, scale=5.0)
     targets[3], targets[20] = -100, V + 5
     opts = submodule(flce, "_options").LossOptions(logit_scale=0.5)
@@ -922,11 +916,11 @@ def test_cpu_tensors_without_interpreter_use_the_torch_backend(flce, monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on the GPU only")
-def test_autotuned_launch_matches_reference(flce, monkeypatch):
+def test_autotuned_launch_matches_reference(flce, tune):
     """The suite launches one fixed configuration on the GPU; this case goes through the
     autotuner (every candidate configuration runs, the TMA descriptors get their blocks from
     its pre-hook) and must give the same answers."""
-    monkeypatch.setenv("FLCE_AUTOTUNE", "1")
+    tune(autotune=True)
     hidden, weight, targets, bias = make_inputs(300, 256, 1000, torch.bfloat16, seed=31, bias=True)
     loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True)
     loss.backward()
@@ -967,7 +961,7 @@ def _relative_error(actual, expected) -> float:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=BF16_ON_CPU)
 @pytest.mark.parametrize("inputs", ["uniform", "peaked"])
-def test_bf16_gradients_over_many_chunks_are_no_worse_than_pytorchs(flce, monkeypatch, inputs):
+def test_bf16_gradients_over_many_chunks_are_no_worse_than_pytorchs(flce, tune, inputs):
     """A bf16 step in 8 chunks: grad_hidden's and grad_weight's errors against float64 are at
     most PyTorch's bf16 step's (F.cross_entropy of hidden @ weight.T) on the same inputs. On a
     nearly uniform softmax (logits of size 0.02) each row's target entry is its largest term; on
@@ -975,7 +969,7 @@ def test_bf16_gradients_over_many_chunks_are_no_worse_than_pytorchs(flce, monkey
     model's. The target entries stay out of the bf16 products and of grad_weight's running sum,
     which is what keeps grad_weight there (perf notes, run 52)."""
     n, h, v = 2048, 512, 8000
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "256")
+    tune(chunk_rows=256)
     hidden, weight, targets, _ = make_inputs(n, h, v, torch.bfloat16, seed=83,
                                              scale=0.02 if inputs == "uniform" else 6.0)
     if inputs == "peaked":

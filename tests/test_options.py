@@ -33,7 +33,7 @@ def class_weights(v, device, seed=0):
 
 
 # ---- class weights ------------------------------------------------------------------------------
-# Each case: options, how the inputs are made, environment knobs ("env"). Without label
+# Each case: options, how the inputs are made, settings (``_settings.override``). Without label
 # smoothing, mean and sum compute their gradients in the forward; with it, and with
 # reduction "none" or lse, they are recomputed in the backward.
 WEIGHT_CASES = {
@@ -43,15 +43,14 @@ WEIGHT_CASES = {
     "mean_smoothing": dict(label_smoothing=0.2, ignore=0.2),
     "sum_smoothing_softcap_lse": dict(reduction="sum", bias=True, label_smoothing=0.1, softcap=4.0, logit_scale=1.5,
                                       z_loss_scale=1e-3, return_lse=True),
-    "none_smoothing_chunks": dict(reduction="none", label_smoothing=0.3, bias=True, env=dict(FLCE_CHUNK_ROWS=7)),
-    "mean_chunks": dict(bias=True, ignore=0.2, env=dict(FLCE_CHUNK_ROWS=7)),
+    "none_smoothing_chunks": dict(reduction="none", label_smoothing=0.3, bias=True, settings=dict(chunk_rows=7)),
+    "mean_chunks": dict(bias=True, ignore=0.2, settings=dict(chunk_rows=7)),
 }
 
 
-def _run_weighted(flce, monkeypatch, case, device, dtype):
+def _run_weighted(flce, tune, case, device, dtype):
     c = dict(WEIGHT_CASES[case])
-    for name, value in c.pop("env", {}).items():
-        monkeypatch.setenv(name, str(value))
+    tune(**c.pop("settings", {}))
     make = {k: c.pop(k) for k in ("bias", "ignore") if k in c}
     return_lse = c.pop("return_lse", False)
     hidden, weight, targets, bias = make_inputs(N, H, V, dtype, seed=sum(map(ord, case)), device=device, **make)
@@ -73,11 +72,11 @@ def _run_weighted(flce, monkeypatch, case, device, dtype):
 
 
 @pytest.mark.parametrize("case", list(WEIGHT_CASES))
-def test_class_weight_matches_pytorch(flce, monkeypatch, device, case):
+def test_class_weight_matches_pytorch(flce, tune, device, case):
     """F.cross_entropy(weight=...)'s loss (a mean divides by the sum of the non-ignored targets'
     weights; label smoothing weighted as PyTorch weights it), its gradients, and unweighted
     metrics; the z-loss of a row is weighted by its target's class weight."""
-    tensors, targets, weights, loss, metrics, out, ref, c = _run_weighted(flce, monkeypatch, case, device,
+    tensors, targets, weights, loss, metrics, out, ref, c = _run_weighted(flce, tune, case, device,
                                                                            torch.float32)
     assert weights[targets[1:3]].eq(0).all() and weights[targets.clamp(0)].ne(0).any()
     assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
@@ -89,9 +88,9 @@ def test_class_weight_matches_pytorch(flce, monkeypatch, device, case):
 
 @pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp32"])
 @pytest.mark.parametrize("case", ["mean", "mean_smoothing"])
-def test_class_weight_16_bit(flce, monkeypatch, case, dtype):
+def test_class_weight_16_bit(flce, tune, case, dtype):
     """16-bit inputs on the kernels' two gradient paths (computed in the forward, recomputed)."""
-    tensors, _, _, loss, metrics, _, ref, c = _run_weighted(flce, monkeypatch, case, DEVICE, dtype)
+    tensors, _, _, loss, metrics, _, ref, c = _run_weighted(flce, tune, case, DEVICE, dtype)
     assert_rel(loss, ref.loss, tolerance(dtype, "loss"), "loss")
     check_metrics(metrics, ref, dtype, c.get("reduction", "mean"))
     check_grads(tensors, ref, dtype)
@@ -118,11 +117,11 @@ def test_uniform_class_weight_is_no_weight(flce, device):
 
 # ---- predictions and per-token metrics -----------------------------------------------------------
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_predictions_and_per_token_metrics(flce, monkeypatch, device, reduction):
+def test_predictions_and_per_token_metrics(flce, tune, device, reduction):
     """``predictions``: the argmax of each row (-1 on ignored rows), int64 of the targets' shape;
     with reduction "none" also the correct-token mask and the entropy per row, which sum to
     the metrics' sums. Several chunks of rows; (B, T) leading dims."""
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "5")
+    tune(chunk_rows=5)
     hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=8, device=device, lead=(3, 8), ignore=0.3)
     # some rows right: their target is their argmax
     logits = hidden.detach().double() @ weight.detach().double().T

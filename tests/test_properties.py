@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, HAS_CUDA, assert_rel, env, tolerance
+from conftest import DEVICE, DTYPES, HAS_CUDA, assert_rel, submodule, tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import reference
@@ -20,8 +20,8 @@ EXAMPLES = int((60 if HAS_CUDA else 40) * _FACTOR)
 FEW_EXAMPLES = int((20 if HAS_CUDA else 8) * _FACTOR)
 
 dtypes = st.sampled_from([torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else []))
-# Few logit kernel variants per run on a GPU: no autotuning per (H, V) of every example.
-NO_AUTOTUNE = dict(FLCE_AUTOTUNE=0)
+# (On a GPU conftest's kernel launches one logit kernel configuration: no autotuning per (H, V)
+# of every example.)
 
 
 def _to(device_dtype, *tensors):
@@ -71,7 +71,7 @@ def test_random_problems_match_reference(flce, p):
     hidden, weight, bias = _to((DEVICE, dtype), hidden, weight, bias)
     targets = targets.to(DEVICE)
 
-    with env(FLCE_CHUNK_ROWS=p["chunk_rows"], **NO_AUTOTUNE):
+    with submodule(flce, "_settings").override(chunk_rows=p["chunk_rows"]):
         out = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True,
                                               return_lse=p["return_lse"], **opts)
         loss, metrics = out[:2]
@@ -137,7 +137,7 @@ def test_shift_equals_explicitly_shifted_inputs(flce, seed, lead, h, v, dtype, s
     targets[..., -1] = v - 1  # at least one position with a loss, whatever k
     hidden, weight = _to((DEVICE, dtype), hidden, weight)
     targets = targets.to(DEVICE)
-    with env(FLCE_CHUNK_ROWS=chunk_rows, **NO_AUTOTUNE):
+    with submodule(flce, "_settings").override(chunk_rows=chunk_rows):
         loss, metrics, *lse = flce.fused_linear_cross_entropy(hidden, weight, targets, softcap=softcap,
                                                               reduction=reduction, return_metrics=True,
                                                               return_lse=return_lse, shift=shift)
@@ -190,11 +190,10 @@ def test_bias_shift_invariance(flce, seed, n, h, v, dtype, shift, logit_scale, l
     results = []
     for b in (bias, bias + shift):
         hi, w, bb = _to((DEVICE, dtype), hidden, weight, b)
-        with env(**NO_AUTOTUNE):
-            loss, metrics = flce.fused_linear_cross_entropy(hi, w, targets, bb, logit_scale=logit_scale,
-                                                            label_smoothing=label_smoothing, reduction=reduction,
-                                                            return_metrics=True)
-            loss.sum().backward()
+        loss, metrics = flce.fused_linear_cross_entropy(hi, w, targets, bb, logit_scale=logit_scale,
+                                                        label_smoothing=label_smoothing, reduction=reduction,
+                                                        return_metrics=True)
+        loss.sum().backward()
         results.append((loss.detach(), metrics, hi.grad, w.grad, bb.grad))
     (loss0, m0, *grads0), (loss1, m1, *grads1) = results
     # The shift moves lse and the logits by |shift * s|: their fp32 rounding at the shifted
@@ -268,11 +267,11 @@ def test_extreme_logits(flce, case, reduction):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("path", ["in_forward", "recompute"])
-def test_minus_inf_bias_entries(flce, monkeypatch, dtype, path):
+def test_minus_inf_bias_entries(flce, tune, dtype, path):
     """-inf bias entries, among them a whole vocabulary tile: probability 0, exactly zero
     gradient in their weight rows and bias entries, no NaN anywhere."""
-    monkeypatch.setenv("FLCE_BLOCK_V", "16")
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "9")
+    tune(block_v=16)
+    tune(chunk_rows=9)
     gen = _gen(22)
     n, h, v = 20, 24, 75
     masked = torch.zeros(v, dtype=torch.bool)
@@ -316,11 +315,10 @@ def test_logit_scale_zero_is_uniform(flce, seed, n, h, v, dtype, label_smoothing
     targets = torch.randint(0, min(v, 3), (n,), generator=gen)  # often 0, the argmax
     targets[0] = 0
     targets = targets.to(DEVICE)
-    with env(**NO_AUTOTUNE):
-        loss, metrics, lse = flce.fused_linear_cross_entropy(
-            hidden, weight, targets, bias, logit_scale=0.0, reduction=reduction, label_smoothing=label_smoothing,
-            z_loss_scale=z_loss_scale, return_metrics=True, return_lse=True)
-        loss.sum().backward()
+    loss, metrics, lse = flce.fused_linear_cross_entropy(
+        hidden, weight, targets, bias, logit_scale=0.0, reduction=reduction, label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale, return_metrics=True, return_lse=True)
+    loss.sum().backward()
     log_v = math.log(v)
     row_loss = log_v + z_loss_scale * log_v**2
     expected = {"mean": torch.tensor(row_loss), "sum": torch.tensor(n * row_loss),
@@ -359,8 +357,8 @@ def test_targets_first_and_last_entries(flce, dtype, v):
 # ---- determinism ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_two_calls_are_bitwise_equal(flce, monkeypatch, dtype, reduction):
-    monkeypatch.setenv("FLCE_CHUNK_ROWS", "11")
+def test_two_calls_are_bitwise_equal(flce, tune, dtype, reduction):
+    tune(chunk_rows=11)
     gen = _gen(23)
     inputs = (torch.randn(30, 40, generator=gen), torch.randn(97, 40, generator=gen) / 6,
               torch.randn(97, generator=gen))

@@ -10,7 +10,8 @@ term of the metrics is summed over blocks of a few rows.
 
 import torch
 
-from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
+from ._settings import current as settings
 
 # Elements of the per-block temporaries of the entropy term (4 MiB of fp32).
 _BLOCK_ELEMENTS = 2**20
@@ -19,14 +20,15 @@ _BLOCK_ELEMENTS = 2**20
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
                spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
-    inputs, the grad logits cast to that dtype stay under FLCE_BUFFER_MIB together (a vocabulary
+    inputs, the grad logits cast to that dtype stay under ``buffer_mib`` (256) together (a vocabulary
     slice of one of ``shards`` ranks: ``shards`` times the rows). The largest such chunk, with
     or without ``spread`` (the chunk loop's planning hint, which this backend needs not), for
     any ``hidden_size`` and ``row_block``."""
-    budget = env_int("FLCE_BUFFER_MIB", 256) * 2**20
+    tuning = settings()
+    budget = (256 if tuning.buffer_mib is None else tuning.buffer_mib) * 2**20
     acc_size = accumulation_dtype(dtype).itemsize
     bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))
-    return max(1, min(n_rows, env_int("FLCE_CHUNK_ROWS", 4096) * shards, budget // bytes_per_row))
+    return max(1, min(n_rows, (tuning.chunk_rows or 4096) * shards, budget // bytes_per_row))
 
 
 def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int, shards: int = 1) -> None:

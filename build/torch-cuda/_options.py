@@ -1,6 +1,5 @@
 """Plain data shared by the layers: the loss options and the per-row statistics."""
 
-import os
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -106,9 +105,3 @@ class RowResults:
     prediction: torch.Tensor | None = None  # int64 argmax, with metrics
     mean_logit: torch.Tensor | None = None  # fp32 sum_j z_j / V, 0 on ignored rows (token outputs)
     log_sum_sq: torch.Tensor | None = None  # fp32 log sum_j p_j^2, 0 on ignored rows (token outputs)
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer knob from the environment (used by tests and benchmarks), else ``default``."""
-    value = os.environ.get(name)
-    return default if value in (None, "") else int(value)

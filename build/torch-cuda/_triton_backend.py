@@ -15,7 +15,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _kernels as K
-from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
+from ._settings import current as settings
 
 
 def interpreting() -> bool:
@@ -75,16 +76,16 @@ _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key 
 
 def _logit_kernel(block_v: int, element_size: int):
     """The logit kernel to launch: autotuned on a GPU, one fixed small tile when interpreting."""
+    tuning = settings()
     if interpreting():
-        return K._logit_tile_kernel, {"BLOCK_N": env_int("FLCE_BLOCK_N", 16), "BLOCK_K": env_int("FLCE_BLOCK_K", 16),
-                                      "PERSISTENT": env_int("FLCE_PERSISTENT", 0) == 1}
-    forced = os.environ.get("FLCE_CONFIG")  # "BLOCK_N,BLOCK_K,warps,stages,persistent" (or ':'), exploration
-    if forced:
-        block_n, block_k, warps, stages, persistent = (int(x) for x in forced.replace(":", ",").split(","))
-        return K._logit_tile_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": bool(persistent),
+        return K._logit_tile_kernel, {"BLOCK_N": tuning.block_n, "BLOCK_K": tuning.block_k,
+                                      "PERSISTENT": tuning.persistent}
+    if tuning.config is not None:  # (BLOCK_N, BLOCK_K, warps, stages, persistent), exploration
+        block_n, block_k, warps, stages, persistent = tuning.config
+        return K._logit_tile_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent,
                                       "num_warps": warps, "num_stages": stages}
     configs = logit_tile_configs(block_v, element_size)
-    if env_int("FLCE_AUTOTUNE", 1) == 0:
+    if not tuning.autotune:
         configs = configs[:1]
     key = (block_v, element_size, len(configs))
     if key not in _autotuned:
@@ -94,19 +95,22 @@ def _logit_kernel(block_v: int, element_size: int):
 
 def tile_width(dtype: torch.dtype) -> int:
     """Vocabulary columns per logit tile (BLOCK_V)."""
+    block_v = settings().block_v
+    if block_v is not None:
+        return block_v
     if interpreting():
-        return env_int("FLCE_BLOCK_V", 32)
+        return 32
     if dtype == torch.float64:
-        return env_int("FLCE_BLOCK_V", 64)
-    return env_int("FLCE_BLOCK_V", 128 if dtype == torch.float32 else 256)
+        return 64
+    return 128 if dtype == torch.float32 else 256
 
 
 def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
                spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
     """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
-    FLCE_BUFFER_MIB (768 MiB) and FLCE_CHUNK_ROWS (1536) rows, and the chunk's whole working
+    ``buffer_mib`` (768 MiB) and ``chunk_rows`` (1536) rows (``_settings``), and the chunk's whole working
     set (``chunk_bytes``: the buffer and the hidden-sized blocks alive beside it) within a
-    quarter of the logits of 8192 rows (FLCE_WORKING_SET_ROWS, 2048 rows' worth; so, on a small
+    quarter of the logits of 8192 rows (``working_set_rows``, 2048 rows' worth; so, on a small
     vocabulary, fewer rows; a step of many chunks may then grow them: ``_chunked``); the forward
     alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
     ``n_rows`` are then spread evenly over the chunks (in whole ``row_block``s: the sweep's rows
@@ -114,16 +118,17 @@ def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool,
     known yet) the largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards``
     times the rows. A forward's largest chunk is whole ``row_block``s too; training's is the
     memory's (a multiple of 128)."""
+    tuning = settings()
     if training:
-        budget = env_int("FLCE_BUFFER_MIB", 768) * 2**20
+        budget = (768 if tuning.buffer_mib is None else tuning.buffer_mib) * 2**20
         logit_row = vocab_size * (torch.finfo(dtype).bits // 8)
         by_budget = max(128, budget // logit_row // 128 * 128)
-        share_rows = env_int("FLCE_WORKING_SET_ROWS", 2048)  # a quarter of 8192 rows' logits
+        share_rows = tuning.working_set_rows  # a quarter of 8192 rows' logits
         by_share = max(128, share_rows * shards * logit_row
                        // chunk_bytes(1, vocab_size, dtype, hidden_size, shards) // 128 * 128)
-        most = min(env_int("FLCE_CHUNK_ROWS", 1536) * shards, by_budget, by_share)
+        most = min((tuning.chunk_rows or 1536) * shards, by_budget, by_share)
     else:
-        most = env_int("FLCE_CHUNK_ROWS", 4096) * shards
+        most = (tuning.chunk_rows or 4096) * shards
         most = max(row_block, most // row_block * row_block)
     if n_rows <= most:
         return max(1, n_rows)
@@ -150,12 +155,13 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
     ``_gluon_stats`` computes them (``_gluon_sweep``: a forward's, or a training step's factored
     sweep with ``_gluon_training``), 128 (the logit kernel's) elsewhere. A tile's rows past a
     chunk's end cost as much as the others: Llama-2's 8192 rows, every target counted, spread
-    in 128s took 46 tiles of 192 rows a vocabulary tile, in 192s 43. FLCE_TRAINING_ROW_BLOCK
+    in 128s took 46 tiles of 192 rows a vocabulary tile, in 192s 43. ``training_row_block``
     sets a step's (exploration)."""
     if training:
         factored = _gluon_training() and factored_gradient(dtype, opts, has_bias)
         gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device) if factored else None
-        return env_int("FLCE_TRAINING_ROW_BLOCK", 128 if gluon is None else gluon.BLOCK_N)
+        forced = settings().training_row_block
+        return forced if forced is not None else 128 if gluon is None else gluon.BLOCK_N
     gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
     return 128 if gluon is None else gluon.BLOCK_N
 
@@ -171,7 +177,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) can move these 2-D tensors: Hopper or newer, rows
     contiguous and 16-byte aligned."""
-    if env_int("FLCE_TMA", 1) == 0 or tensors[0].element_size() == 8:  # float64: plain loads
+    if not settings().tma or tensors[0].element_size() == 8:  # float64: plain loads
         return False
     if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
@@ -195,8 +201,8 @@ def _max_programs(device: torch.device) -> int:
 
 def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
     """(vocabulary tiles a row block, programs a round) of a persistent sweep over this
-    weight, for the chunk plan (``_chunked._fullest_chunk``); None under FLCE_FILL_ROUNDS=0."""
-    if env_int("FLCE_FILL_ROUNDS", 1) == 0:
+    weight, for the chunk plan (``_chunked._fullest_chunk``); None without ``fill_rounds``."""
+    if not settings().fill_rounds:
         return None
     return triton.cdiv(vocab_size, tile_width(dtype)), _max_programs(device)
 
@@ -249,15 +255,17 @@ L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows o
 
 
 def _group_rows(hidden: torch.Tensor) -> int:
-    """Rows of a tile group of the logit kernel (FLCE_GROUP_ROWS, exploration): 4096, the
+    """Rows of a tile group of the logit kernel (``group_rows``, exploration): 4096, the
     forward's chunk, or fewer where their hidden rows pass L2_HIDDEN_BYTES, in whole 128-row
     blocks. On the H200 (perf notes, run 41) one launch over 8192 rows in one group took 3-6%
     more time than in groups of 4096 (the hidden rows fall out of L2), and a group of Gemma-2's
     7405 rows (34 MB) as much. Training chunks are one group; the forward's chunks under
     vocabulary parallelism (4096 rows a rank) and of fp32 inputs are several."""
+    forced = settings().group_rows
+    if forced is not None:
+        return forced
     row_bytes = hidden.shape[1] * hidden.element_size()
-    default = max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
-    return env_int("FLCE_GROUP_ROWS", default)
+    return max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
 
 
 def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
@@ -387,9 +395,9 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
 
 def _gluon_training() -> bool:
     """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
-    (FLCE_GLUON_TRAINING, default 1: a step 1-2% faster at the power cap on large vocabularies,
-    perf notes run 59; FLCE_GLUON=0 turns off both sweeps)."""
-    return env_int("FLCE_GLUON_TRAINING", 1) == 1
+    (``gluon_training``, default True: a step 1-2% faster at the power cap on large vocabularies,
+    perf notes run 59; ``gluon`` False turns off both sweeps)."""
+    return settings().gluon_training
 
 
 def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
@@ -605,7 +613,7 @@ def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> 
     """Whether a training chunk can keep exponentials and factor its gradient (``row_factors``):
     bf16 or fp32 (fp16's range cannot hold them), and no bias, softcap, label smoothing or
     z-loss (whose gradients are not one factor per row times the exponentials)."""
-    if env_int("FLCE_FACTORED", 1) == 0:
+    if not settings().factored:
         return False
     return (dtype in (torch.bfloat16, torch.float32) and not has_bias and not opts.has_softcap
             and not opts.has_smoothing and not opts.has_z_loss)
@@ -633,9 +641,9 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
 
 
 def _tensor_core_target() -> bool:
-    """Whether target logits come from ``_picked_logit_dot_kernel`` (FLCE_TILE_TARGET, default 1)
+    """Whether target logits come from ``_picked_logit_dot_kernel`` (``tile_target``, default True)
     instead of the tiles' pick (statistics sweeps) and the exact dot product (references)."""
-    return env_int("FLCE_TILE_TARGET", 1) != 0
+    return settings().tile_target
 
 
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
@@ -643,7 +651,7 @@ def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, perf notes, run 36). Not for fp64 inputs (the product
-    sums in fp32), nor with FLCE_TILE_TARGET=0."""
+    sums in fp32), nor without ``tile_target``."""
     return hidden.dtype != torch.float64 and _tensor_core_target()
 
 
@@ -674,11 +682,11 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                        bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every row's target logit [N] fp32 (NaN where the target is not a column here) from one
     ``_picked_logit_dot_kernel`` launch, where the statistics sweeps leave the target logit to it
-    (``_target_logit_by_product``) and FLCE_PICK_ONCE is on; with ``rows`` row i is hidden[rows[i]].
+    (``_target_logit_by_product``) and ``pick_once`` is on; with ``rows`` row i is hidden[rows[i]].
     A launch of 64-row programs takes about as long for any rows up to a round of them, so one
     launch instead of one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3
     one on the H200 (perf notes, run 55)."""
-    if env_int("FLCE_PICK_ONCE", 1) == 0 or not _target_logit_by_product(hidden):
+    if not settings().pick_once or not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
 
@@ -686,10 +694,10 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 def reference_in_place() -> bool:
     """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
     loop takes every row's reference in one launch before its first chunk (with the tensor-core
-    target logit; FLCE_PICK_ONCE=0: one launch a chunk). A chunk of 1536 rows gave the product
+    target logit; without ``pick_once``: one launch a chunk). A chunk of 1536 rows gave the product
     24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five launches, 0.042 in one
     (perf notes, run 40)."""
-    return env_int("FLCE_PICK_ONCE", 1) != 0 and _tensor_core_target()
+    return settings().pick_once and _tensor_core_target()
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,

@@ -3,7 +3,6 @@
 import math
 import numbers
 import operator
-import os
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from ._distributed import vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
 from ._options import LossOptions, accumulation_dtype
+from ._settings import current as settings
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _REDUCTIONS = ("mean", "sum", "none")
@@ -161,7 +161,7 @@ def _targets_checked(targets: Tensor) -> bool:
     # The range check waits on the host for a flag: skipped while tracing or capturing a CUDA
     # graph, when vmap batches the targets (a data-dependent branch per sample), and when
     # FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
-    if os.environ.get("FLCE_CHECK_TARGETS", "1") == "0" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not settings().check_targets:
         return False
     if torch._C._functorch.is_functorch_wrapped_tensor(targets):
         return False

@@ -28,7 +28,6 @@ smoothing: a row's loss and gradient are those of the unweighted row times w_t (
 """
 
 import math
-import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -36,12 +35,16 @@ import torch
 from . import _torch_backend, _triton_backend
 from ._backend import Backend
 from ._distributed import Shard
-from ._options import LossOptions, RowResults, RowStats, accumulation_dtype, env_int
+from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
+from ._settings import current as settings
 
 
 def backend_for(device: torch.device) -> Backend:
     """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, when the kernels were
-    decorated for the interpreter, i.e. the variable was set at import), else PyTorch."""
+    decorated for the interpreter, i.e. the variable was set at import), else PyTorch; PyTorch
+    for every tensor under FLCE_TRITON=0."""
+    if not settings().triton:
+        return _torch_backend
     if device.type == "cuda":
         return _triton_backend
     if device.type == "cpu" and _triton_backend.interpreting() and _triton_backend.KERNELS_INTERPRETED:
@@ -142,9 +145,9 @@ class _RowOrder:
 
 def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str, all_rows: bool):
     """A ``_RowOrder``, or None (compute every row in place) when every row's lse is wanted,
-    while a CUDA graph is captured (the host cannot read the count then), or with
-    FLCE_SKIP_IGNORED=0."""
-    if all_rows or targets.numel() == 0 or env_int("FLCE_SKIP_IGNORED", 1) == 0:
+    while a CUDA graph is captured (the host cannot read the count then), or without
+    ``skip_ignored`` (``_settings``)."""
+    if all_rows or targets.numel() == 0 or not settings().skip_ignored:
         return None
     if targets.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
@@ -161,8 +164,7 @@ def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, trai
     ``sweep_tiles`` a first chunk that more rows follow is sized to fill its sweep's rounds
     (``_fullest_first``)."""
     first = min(chunk, n_rows)
-    split = env_int("FLCE_SPLIT_FIRST", 1) == 1  # 0: no split (exploration)
-    if split and row_order is not None and not training and n_rows >= 2048:
+    if settings().split_first and row_order is not None and not training and n_rows >= 2048:
         first = min(first, _cdiv(_cdiv(n_rows, 2), row_block) * row_block)
     if sweep_tiles is not None and first < n_rows:
         first = _fullest_first(n_rows, first, chunk, row_block, *sweep_tiles)
@@ -360,13 +362,13 @@ IMPROBABLE_MAX_COUNT = 64
 
 def _rare_target_rows(backend, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor | None:
     """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column (of this
-    weight) is the target of at most FLCE_RARE_TARGET (2) of the step's rows, OUT_IF_IMPROBABLE
+    weight) is the target of at most ``rare_target`` (``_settings``, 2) of the step's rows, OUT_IF_IMPROBABLE
     where it is of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
     elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
     once, in fp32, at the end; a frequent target's entries nearly cancel the column's other terms
-    and stay in each chunk's product (perf notes, runs 52-53). FLCE_RARE_TARGET=-1: None, every
+    and stay in each chunk's product (perf notes, runs 52-53). ``rare_target`` -1: None, every
     entry stays in (no counts, no target terms: the rule's cost, measured)."""
-    rare = env_int("FLCE_RARE_TARGET", 2)
+    rare = settings().rare_target
     if rare < 0:
         return None
     return backend.take_out_flags(targets, vocab_size, ignore_index, rare, IMPROBABLE_MAX_COUNT)
@@ -406,11 +408,11 @@ def _grown_chunk(backend, n_rows: int, chunk: int, vocab_size: int, hidden_size:
     sum. Their 16-bit running sum is then that of at most 8 chunks, as the groups' is, with no
     fp32 sum, and each chunk less re-reads W twice and grad_weight once: on the Llama-3 head
     32768 rows take 8 chunks of 4224 (about 1.1 GB) instead of 20 of 1536 beside the 2 GiB sum
-    (2.4 GB). Elsewhere, with FLCE_CHUNK_ROWS set (a cap) or FLCE_GROW_CHUNKS=0, ``chunk``;
+    (2.4 GB). Elsewhere, with ``chunk_rows`` set (a cap) or without ``grow_chunks``, ``chunk``;
     under vocabulary parallelism every rank plans the same (``vocab_size`` is the planning
     slice)."""
     group = weight_group(dtype)
-    if group is None or env_int("FLCE_GROW_CHUNKS", 1) == 0 or os.environ.get("FLCE_CHUNK_ROWS", "") != "":
+    if group is None or not settings().grow_chunks or settings().chunk_rows is not None:
         return chunk
     most = backend.chunk_rows(max(n_rows, 1), vocab_size, dtype, True, shards, spread=False,
                               hidden_size=hidden_size, row_block=row_block)
@@ -429,15 +431,15 @@ def _grown_chunk(backend, n_rows: int, chunk: int, vocab_size: int, hidden_size:
 
 def weight_group(dtype: torch.dtype) -> int | None:
     """Chunks summed into a 16-bit grad_weight before that sum goes to an fp32 sum
-    (FLCE_WEIGHT_GROUP, 8: ``_Gradients._add_weight_chunk``); None for 32- and 64-bit inputs,
+    (``weight_group``, 8: ``_Gradients._add_weight_chunk``); None for 32- and 64-bit inputs,
     whose grad_weight is its own sum."""
-    return max(1, env_int("FLCE_WEIGHT_GROUP", 8)) if dtype.itemsize < 4 else None
+    return max(1, settings().weight_group) if dtype.itemsize < 4 else None
 
 
 def _fp32_from_start(vocab_size: int, hidden_size: int, element_size: int, chunk: int) -> bool:
     """Whether a 16-bit grad_weight of many chunks is summed in fp32 from the start: where
-    that costs no more than the chunk buffer itself or FLCE_WEIGHT_FP32_MIB (64 MiB)."""
-    allowance = max(chunk * vocab_size * element_size, env_int("FLCE_WEIGHT_FP32_MIB", 64) * 2**20)
+    that costs no more than the chunk buffer itself or ``weight_fp32_mib`` (64 MiB)."""
+    allowance = max(chunk * vocab_size * element_size, settings().weight_fp32_mib * 2**20)
     return element_size < 4 and vocab_size * hidden_size * 4 <= allowance
 
 

@@ -10,7 +10,7 @@ statistics 1-3% faster a flop than the logit kernel (``benchmarks/gluon_probe.py
 
 Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
 logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
-(the logit kernel's mode 0 without the target pick) and (unless FLCE_GLUON_TRAINING=0) the
+(the logit kernel's mode 0 without the target pick) and (with ``gluon_training``) the
 factored training sweep (its mode 3: the sums relative to each row's reference, and the exponentials
 stored to the chunk buffer by the copy engine, half a tile at a time through 48 KB of shared
 memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
@@ -21,8 +21,6 @@ logit kernel, and the CPU tests compile it for sm_90 (``scripts/compile_sm90.py 
 Why warpgroup 0 also loads: a producer warp would make 13 warps, launched as 16 at 128 registers
 each, and ptxas holds every partition to that, too few for the accumulator; 12 warps get 168.
 """
-
-import os
 
 import torch
 import triton
@@ -38,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._kernels import LOG2E, REFERENCE_GAP
+from ._settings import current as settings
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -296,8 +295,8 @@ _capabilities: dict[torch.device, tuple[int, int]] = {}
 
 
 def device_applies(device: torch.device) -> bool:
-    """Whether this kernel runs on ``device``: Hopper (sm_90) and not FLCE_GLUON=0."""
-    if os.environ.get("FLCE_GLUON", "1") == "0" or device.type != "cuda":
+    """Whether this kernel runs on ``device``: Hopper (sm_90), with ``gluon`` (``_settings``)."""
+    if not settings().gluon or device.type != "cuda":
         return False
     if device not in _capabilities:  # asked a few times a forward: kept, as the SM counts are
         _capabilities[device] = torch.cuda.get_device_capability(device)
