@@ -2,15 +2,19 @@
 scripts/gpu-distributed): every rank holds a slice of weight's rows, and must get exactly
 the loss, metrics and grad_hidden of the unsharded computation, and its slice's gradients."""
 
+import json
+import math
 import os
+import re
 import sys
+import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _ranks import exit_without_teardown
+from _ranks import DISAGREEMENTS, UNCHECKED, disagreeing_ranks, disagreement_inputs, exit_without_teardown
 from conftest import DEVICE, submodule
 from reference import reference
 
@@ -180,7 +184,7 @@ def _check_dtensor(flce, rank, world, device="cpu"):
          "weight must be a DTensor"),
         (dict(process_group=dist.group.WORLD), ValueError, "pass neither"),
         # each rank its own targets (data parallelism): a wrong loss without the check
-        (dict(targets=(t + rank) % vocab), ValueError, "targets differ across the ranks"),
+        (dict(targets=(t + rank) % vocab), ValueError, "ranks disagree on targets"),
     ]
     for change, error, message in bad:
         inputs = {"hidden": h, "weight": w, "targets": t, **change}
@@ -245,6 +249,94 @@ def test_vocab_parallel_matches_unsharded(world, tmp_path):
     error_file = tmp_path / "errors.txt"
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(error_file)), nprocs=world, join=True)
     assert not error_file.exists(), error_file.read_text()
+
+
+# What every rank must raise when the ranks' arguments differ as in _ranks.DISAGREEMENTS: the
+# same ValueError, raised after one all-reduce, before any other collective (no NaN, no hang, no abort).
+RAISES = {
+    "targets shifted by one position": r"ranks disagree on targets: rank 0 has fingerprint .*, rank 1 has",
+    "one target": "ranks disagree on targets",
+    "return_lse": "ranks disagree on return_lse: rank 0 has False, rank 1 has True",
+    "an overlapping vocab_start": (r"vocabulary slices overlap or leave a gap: rank 0 holds \[0, 20\), "
+                                   r"rank 1 holds \[15, 35\); they must tile \[0, 40\)"),
+    "an out-of-range vocab_start": r"rank 0 holds \[0, 20\), rank 1 holds \[40, 60\)",
+    "ignore_index": "ranks disagree on ignore_index: rank 0 has -100, rank 1 has -1",
+    "a bad target on one rank": "ranks disagree on targets",
+    "a bad target on every rank": r"targets must be in \[0, 40\) or ignore_index=-100, found -5",
+    "N": "ranks disagree on the number of rows N: rank 0 has 32, rank 1 has 30",
+    "the hidden dtype": "ranks disagree on hidden's dtype: rank 0 has torch.float32, rank 1 has torch.float64",
+    "requires_grad": ("ranks disagree on gradients: rank 0 has grad enabled with gradients for hidden, weight, "
+                      "rank 1 has grad enabled with gradients for weight"),
+    "H": "ranks disagree on the hidden size H: rank 0 has 16, rank 1 has 15",
+    "logit_scale by one ulp": "ranks disagree on logit_scale: rank 0 has 1.0, rank 1 has 1.0000000000000002",
+    "softcap": "ranks disagree on softcap: rank 0 has None, rank 1 has 30.0",
+    "reduction": "ranks disagree on reduction: rank 0 has 'mean', rank 1 has 'sum'",
+    "return_metrics": "ranks disagree on return_metrics",
+    "label_smoothing": "ranks disagree on label_smoothing: rank 0 has 0.0, rank 1 has 0.1",
+    "z_loss_scale": "ranks disagree on z_loss_scale",
+    "shift": "ranks disagree on shift: rank 0 has 0, rank 1 has 1",
+    "class_weight present": "ranks disagree on class_weight: rank 0 has None, rank 1 has a float tensor of 40 values",
+    "class_weight's values": "ranks disagree on class_weight's values",
+    "class_weight's requires_grad": ("ranks disagree on class_weight: rank 0 has a float tensor of 40 values, "
+                                     "rank 1 has a float tensor of 40 values that requires grad"),
+    "bias": "ranks disagree on bias: rank 0 has no bias, rank 1 has a bias",
+}
+
+
+@pytest.fixture(scope="module")
+def disagreement_outcomes(flce, tmp_path_factory):
+    """Each rank's outcome of every case of _ranks.DISAGREEMENTS: two forked gloo ranks, given at
+    most 90 s in all (a hang would take the collectives' 20 s timeout per case)."""
+    path = tmp_path_factory.mktemp("disagreements")
+    results = str(path / "outcomes")
+    import torch._dynamo  # noqa: F401 (the first call of the loss's operators imports it: seconds, once here)
+
+    # fork: the ranks start in a fraction of a second, with the kernel already imported
+    ranks = mp.start_processes(disagreeing_ranks, args=(str(path / "store"), results), nprocs=2, join=False,
+                               start_method="fork")
+    deadline, failure = time.monotonic() + 90, None
+    try:
+        while not ranks.join(timeout=1):
+            if time.monotonic() > deadline:
+                failure = "the ranks did not finish within 90 s"
+                break
+    except Exception as error:  # a rank that died (e.g. gloo's abort): its outcomes so far are kept
+        failure = f"{type(error).__name__}: {error}"
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+    outcomes = []
+    for rank in range(2):
+        saved = path / f"outcomes.{rank}"
+        outcomes.append(json.loads(saved.read_text()) if saved.exists() else {})
+    return outcomes, failure
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors")
+@pytest.mark.parametrize("case", list(RAISES))
+def test_ranks_that_disagree_all_raise_the_same_error(disagreement_outcomes, case):
+    outcomes, failure = disagreement_outcomes
+    assert all(case in o for o in outcomes), f"case {case!r} not reached on every rank: {failure}"
+    first, second = outcomes[0][case], outcomes[1][case]
+    assert first[:2] == ["raised", "ValueError"], first
+    assert first == second  # the same error, on every rank
+    assert re.search(RAISES[case], first[2]), first[2]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors")
+@pytest.mark.parametrize("case", ["agreeing ranks", "agreeing slices in the other order", UNCHECKED])
+def test_ranks_that_agree_after_errors_get_the_whole_vocabularys_loss(disagreement_outcomes, case):
+    """After the errors the group is still in step: every rank gets the mean loss of the whole
+    vocabulary, as float64 F.cross_entropy (fp32 logits: a few ulps of rounding)."""
+    assert set(DISAGREEMENTS) == set(RAISES) | {"agreeing ranks", "agreeing slices in the other order"}
+    outcomes, failure = disagreement_outcomes
+    assert all(case in o for o in outcomes), f"case {case!r} not reached on every rank: {failure}"
+    hidden, weight, targets = disagreement_inputs()
+    expected = torch.nn.functional.cross_entropy(hidden.double().flatten(0, 1) @ weight.double().T, targets.flatten())
+    for outcome in outcomes:
+        assert outcome[case][0] == "returned" and not math.isnan(outcome[case][1]), outcome[case]
+        assert outcome[case][1] == pytest.approx(expected.item(), rel=1e-6)
 
 
 if __name__ == "__main__":  # python tests/test_distributed.py: one case, for debugging

@@ -8,7 +8,7 @@ every rank: plain tensors, or DTensors placed ``Replicate()`` on that mesh. The 
 take the plain path; ``DTensor.to_local`` carries the gradients back as DTensors of the inputs'
 placements (weight.grad sharded by rows, hidden.grad replicated). The outputs are plain
 tensors, or ``Replicate()`` DTensors when ``hidden`` is a DTensor. Whether the ranks hold the
-same targets is checked (one all-reduce of a fingerprint) whenever the targets' range is.
+same targets is checked there (``_distributed.check_ranks_agree``) whenever the targets' range is.
 """
 
 import torch
@@ -64,24 +64,7 @@ def _local(name: str, value, mesh, placement):
     return value.to_local()
 
 
-def _check_same_targets(targets: Tensor, group) -> None:
-    """Raises unless every rank holds the same targets (as vocabulary parallelism assumes): one
-    all-reduce of a fingerprint (row count and two weighted sums, exact in int64) and a host
-    sync. A data-parallel caller (each rank its own batch, e.g. an FSDP2-sharded weight read
-    outside the module's forward) would otherwise get a wrong loss without an error."""
-    flat = targets.reshape(-1).to(torch.int64)
-    positions = torch.arange(1, flat.numel() + 1, device=flat.device)
-    fingerprint = torch.stack([torch.tensor(flat.numel(), device=flat.device), flat.sum(), (flat * positions).sum()])
-    bounds = torch.cat([fingerprint, -fingerprint])
-    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
-    if not torch.equal(bounds[:3], -bounds[3:]):  # max == min on every entry
-        raise ValueError("targets differ across the ranks of weight's mesh, but a weight sharded Shard(0) "
-                         "is vocabulary parallelism, where every rank holds the same hidden and targets. "
-                         "Under data parallelism (FSDP2), compute the loss where the module's forward "
-                         "gathers the weight (patch_forward does).")
-
-
-def dtensor_loss(loss_fn, hidden, weight, targets, bias, *args, check_targets: bool, process_group=None,
+def dtensor_loss(loss_fn, hidden, weight, targets, bias, *args, process_group=None,
                  vocab_start=None, **kwargs):
     """``loss_fn(hidden, weight, targets, bias, *args, **kwargs)`` (the public function) on the
     local tensors of DTensor inputs, as vocabulary parallelism over weight's mesh."""
@@ -103,8 +86,6 @@ def dtensor_loss(loss_fn, hidden, weight, targets, bias, *args, check_targets: b
     local_targets = _local("targets", targets, mesh, module.Replicate())
     group = mesh.get_group()
     remember_layout(group, local_rows, start, weight.shape[0])
-    if check_targets:
-        _check_same_targets(local_targets, group)
     out = loss_fn(local_hidden, local_weight, local_targets, local_bias, *args, process_group=group,
                   vocab_start=start, **kwargs)
     if not isinstance(hidden, module.DTensor):

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import _torch_backend
 from ._chunked import backend_for
-from ._distributed import vocabulary_layout
+from ._distributed import check_ranks_agree, vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
 from ._options import LossOptions, accumulation_dtype
@@ -255,9 +255,13 @@ def fused_linear_cross_entropy(
             contiguous slice of the vocabulary's rows; ``hidden`` and ``targets`` (global
             indices) are the same on every rank. Every rank gets the loss and metrics of the
             whole vocabulary and the full grad of ``hidden``; weight and bias get their
-            slice's gradients.
+            slice's gradients. Ranks whose arguments disagree (N, H, dtype, options, targets,
+            class_weight, which inputs take gradients, slices that do not tile the vocabulary)
+            all raise the same ValueError: one all-reduce of a few int64 per rank and a host
+            sync per call, skipped where the targets' range check is (torch.compile, CUDA-graph
+            capture, ``FLCE_CHECK_TARGETS=0``).
         vocab_start: index of this rank's first vocabulary row; by default the slices are
-            taken to lie in rank order (found with one all-gather, cached).
+            taken to lie in rank order.
         shift: the causal-LM shift along the last dim of ``targets`` (the sequence dim of
             ``hidden``): with ``shift=1``, position i is scored against ``targets[..., i + 1]``,
             i.e. the last position of hidden and the first target are dropped, as
@@ -294,7 +298,7 @@ def fused_linear_cross_entropy(
             fused_linear_cross_entropy, hidden, weight, targets, bias, ignore_index, logit_scale, softcap,
             reduction, return_metrics, label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
             return_lse=return_lse, class_weight=class_weight, process_group=process_group, vocab_start=vocab_start,
-            shift=shift, check_targets=_targets_checked(targets),
+            shift=shift,
         )
     hidden, weight, bias = _autocast(hidden, weight, bias)
     logit_scale, softcap, label_smoothing, z_loss_scale = (
@@ -313,8 +317,15 @@ def fused_linear_cross_entropy(
         if functorch:
             raise RuntimeError("fused_linear_cross_entropy does not support process_group under torch.func "
                                "transforms (grad, vjp, jacrev, vmap)")
-        layout_start, total_vocab_size = vocabulary_layout(process_group, vocab_size, weight.device)
-        vocab_start = layout_start if vocab_start is None else int(vocab_start)
+        if _targets_checked(targets):  # the ranks' agreement, the slices' tiling and the targets' range, at once
+            options = dict(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction=reduction,
+                           return_metrics=return_metrics, return_lse=return_lse, label_smoothing=label_smoothing,
+                           z_loss_scale=z_loss_scale, shift=shift)
+            vocab_start, total_vocab_size = check_ranks_agree(process_group, hidden, weight, targets, bias,
+                                                              class_weight, vocab_start, options)
+        else:
+            layout_start, total_vocab_size = vocabulary_layout(process_group, vocab_size, weight.device)
+            vocab_start = layout_start if vocab_start is None else int(vocab_start)
         group_name = process_group.group_name
     elif vocab_start is not None:
         raise ValueError("vocab_start needs a process_group")
@@ -328,8 +339,8 @@ def fused_linear_cross_entropy(
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
     # The targets' range flag is queued first and read once the loss's work is queued behind
     # it: the host never waits for the loss itself, so the GPU does not idle at the check.
-    target_check = (_start_target_check(targets_1d, total_vocab_size, ignore_index) if _targets_checked(targets)
-                    else None)
+    target_check = (_start_target_check(targets_1d, total_vocab_size, ignore_index)
+                    if _targets_checked(targets) and process_group is None else None)
     if bias is not None:
         bias = bias.contiguous()
     options = LossOptions(
