@@ -5,6 +5,7 @@ side, and where the time of a training step goes (torch.profiler, per kernel).
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -99,7 +100,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
 
 def time_logit_kernel(flce, hidden, weight, targets, config):
     """TFLOP/s of the logit kernel alone on one chunk, statistics only and with the buffer."""
-    backend = sys.modules[flce.__name__ + "._triton_backend"]
+    backend = importlib.import_module(flce.__name__ + "._triton_backend")
     options = sys.modules[flce.__name__ + "._options"].LossOptions()
     rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True, hidden_size=hidden.shape[1])
     h, t = hidden[:rows], targets[:rows]
