@@ -567,6 +567,9 @@ def requirements(cpu):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {d.split(">=")[0].strip(): ">= " + d.split(">=")[1] for d in project["dependencies"] if ">=" in d}
     declared["python"] = project["requires-python"].replace(">=", ">= ")
+    # triton is an extra: CUDA builds of torch bring it, and CPU tensors need none
+    triton = project["optional-dependencies"]["triton"][0].split(">=")[1]
+    declared["triton"] = f"not required; >= {triton} for the Triton kernels (CUDA builds of torch bring it; `[triton]`)"
     gpu = _gpu_environments()
 
     def listed(index):

@@ -8,6 +8,7 @@ A variant is a set of the kernel's settings (``_settings.Settings``' fields, any
 """
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -78,7 +79,7 @@ def back_to_back_ms(step, n=10):
 
 def time_logit_kernel(flce, hidden, weight, targets, config):
     """TFLOP/s of the logit kernel alone on one chunk, statistics only and with the buffer."""
-    backend = sys.modules[flce.__name__ + "._triton_backend"]
+    backend = importlib.import_module(flce.__name__ + "._triton_backend")
     options = sys.modules[flce.__name__ + "._options"].LossOptions()
     rows = backend.chunk_rows(hidden.shape[0], weight.shape[0], hidden.dtype, True, hidden_size=hidden.shape[1])
     h, t = hidden[:rows], targets[:rows]

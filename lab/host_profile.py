@@ -23,6 +23,7 @@ With ``--cprofile FILE`` also a cProfile listing of the same steps.
 import argparse
 import cProfile
 import functools
+import importlib
 import io
 import json
 import pstats
@@ -57,7 +58,8 @@ def install_timers(flce) -> dict:
     """Wraps the chunk loop's backend calls, the gradient accumulation and the count's wait
     with host timers; returns their running totals (seconds)."""
     totals = defaultdict(float)
-    backend, chunked = flce._triton_backend, flce._chunked
+    # (the Triton backend is imported on the kernel's first CUDA call: this may come before it)
+    backend, chunked = importlib.import_module(flce.__name__ + "._triton_backend"), flce._chunked
     for name in BACKEND_CALLS:
         if hasattr(backend, name):
             setattr(backend, name, _timed(totals, name, getattr(backend, name)))

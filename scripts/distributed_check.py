@@ -9,6 +9,7 @@ the same all-reduces timed alone.
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import sys
@@ -67,8 +68,9 @@ def throughput(flce, rank: int, world: int) -> dict:
     # (asynchronous) in bf16.
     package = flce.__name__
     shard = sys.modules[package + "._distributed"].Shard(dist.group.WORLD, start, vocab)
+    backend = importlib.import_module(package + "._triton_backend")
     chunk = sys.modules[package + "._chunked"]._plan_chunk(
-        sys.modules[package + "._triton_backend"], n_tokens, sizes[rank], hidden.shape[1], hidden.dtype, True, shard)
+        backend, n_tokens, sizes[rank], hidden.shape[1], hidden.dtype, True, shard)
     starts = range(0, n_tokens, chunk)
     keys = [torch.zeros(min(chunk, n_tokens - s), dtype=torch.int64, device="cuda") for s in starts]
     packed = [torch.zeros(min(chunk, n_tokens - s), 5, dtype=torch.float32, device="cuda") for s in starts]

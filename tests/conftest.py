@@ -2,8 +2,8 @@
 (TRITON_INTERPRET=1 must be set before triton decorates them, hence here, first)."""
 
 import contextlib
+import importlib
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -56,8 +56,9 @@ def device():
 
 
 def submodule(flce, name: str):
-    """A private module of the loaded kernel, e.g. ``submodule(flce, "_triton_backend")``."""
-    return sys.modules[f"{flce.__name__}.{name}"]
+    """A private module of the loaded kernel, e.g. ``submodule(flce, "_triton_backend")`` (imported
+    here if the kernel has not needed it yet: the Triton backend is imported on first use)."""
+    return importlib.import_module(f"{flce.__name__}.{name}")
 
 
 # ---- dtypes and tolerances ----------------------------------------------------------------

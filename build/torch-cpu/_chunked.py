@@ -28,27 +28,50 @@ smoothing: a row's loss and gradient are those of the unweighted row times w_t (
 """
 
 import math
+import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from . import _torch_backend, _triton_backend
+from . import _torch_backend
 from ._backend import Backend
 from ._distributed import Shard
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
 from ._settings import current as settings
 
+# The Triton backend (it imports triton), imported on first use: CPU tensors outside the
+# interpreter take the PyTorch backend, and triton may be absent (macOS, Windows, CPU-only Linux).
+_triton_backend: Backend | None = None
+
+
+def _import_triton_backend(why: str) -> Backend:
+    """The Triton backend, imported once; without triton, an ImportError that starts with ``why``."""
+    global _triton_backend
+    try:
+        from . import _triton_backend as module
+    except ModuleNotFoundError as error:
+        if error.name != "triton":
+            raise
+        raise ImportError(f"{why}, and triton is not installed: pip install triton") from error
+    _triton_backend = module
+    return module
+
 
 def backend_for(device: torch.device) -> Backend:
     """Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``, when the kernels were
-    decorated for the interpreter, i.e. the variable was set at import), else PyTorch; PyTorch
-    for every tensor under FLCE_TRITON=0."""
+    decorated for the interpreter, i.e. the variable was set when the Triton backend was first
+    imported), else PyTorch; PyTorch for every tensor under FLCE_TRITON=0. Raises ImportError
+    where Triton is wanted and triton is not installed."""
     if not settings().triton:
         return _torch_backend
     if device.type == "cuda":
-        return _triton_backend
-    if device.type == "cpu" and _triton_backend.interpreting() and _triton_backend.KERNELS_INTERPRETED:
-        return _triton_backend
+        return _triton_backend or _import_triton_backend("fused_linear_ce runs Triton kernels on CUDA tensors")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        backend = _triton_backend or _import_triton_backend(
+            "TRITON_INTERPRET=1 runs the Triton kernels in Triton's CPU interpreter (unset it for the "
+            "PyTorch path on CPU tensors)")
+        if backend.KERNELS_INTERPRETED:
+            return backend
     return _torch_backend
 
 
