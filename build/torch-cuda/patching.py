@@ -5,17 +5,20 @@ hidden state with the output embeddings; ``patch_forward`` makes ``model(...)`` 
 These read a transformers model but import nothing from transformers at module level: the kernel
 has no Python dependencies. ``patch_forward`` also takes a model class, or a model type such as
 ``"llama"`` (then transformers is imported to find its ``*ForCausalLM`` class).
+
+Both refuse a model whose own loss is not transformers' ``ForCausalLMLoss`` of
+``lm_head(last hidden state)`` (``_causal_lm_parts``): for any other the fused loss is another loss.
 """
 
 import functools
 import inspect
-import types
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .causal_lm import causal_lm_loss
 
@@ -79,6 +82,106 @@ def _named_arguments(model, args: tuple, kwargs: dict) -> dict:
     return named
 
 
+# ---- which models: transformers' ForCausalLMLoss of lm_head(last hidden state) ---------------------
+_ACCEPTED = ("a transformers causal LM (a model such as LlamaForCausalLM(config)), its class, or a model type "
+             "such as 'llama'")
+_REFUSED = ("needs a causal LM whose loss is transformers' ForCausalLMLoss of lm_head(last hidden state), or the "
+            "fused loss would be another loss")
+
+
+def _transformers_bases(cls: type) -> list[type]:
+    """The classes of ``cls.__mro__`` that transformers itself defines."""
+    return [c for c in cls.__mro__ if c.__module__.split(".")[0] == "transformers"]
+
+
+def _loss_type_of_name(name: str) -> str | None:
+    """The ``loss_type`` transformers gives a model class of this name (``PreTrainedModel.__init__``)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if name in LOSS_MAPPING:
+        return name
+    found = re.findall(f"({'|'.join(LOSS_MAPPING)})", name)
+    return found[0] if found else None
+
+
+@functools.lru_cache
+def _class_problem(cls: type) -> str | None:
+    """Why a model of class ``cls`` has another loss than ForCausalLMLoss of its lm_head, as far as the
+    class tells; None when it tells none.
+
+    A class qualifies if it is, or subclasses, a class of transformers' MODEL_FOR_CAUSAL_LM_MAPPING
+    (what AutoModelForCausalLM makes; FSDP2 subclasses the model's class), or, for a class outside
+    that table (remote code), if transformers' loss_type for its name is ForCausalLM; and if its
+    forward computes the loss with ``self.loss_function`` (transformers' ForCausalLMLoss for that
+    loss_type; BartForCausalLM's own CrossEntropyLoss does not shift the labels, say). Tied output
+    embeddings that are no direct child (BertLMHeadModel's ``cls.predictions.decoder``) come after a
+    head transform of the hidden state.
+    """
+    if not any(c.__name__ == "PreTrainedModel" for c in _transformers_bases(cls)):
+        return f"{cls.__name__} is not a transformers model"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    registered = any(c.__name__ in causal_lm_names for c in _transformers_bases(cls))
+    if not registered and _loss_type_of_name(cls.__name__) != "ForCausalLM":
+        return (f"{cls.__name__} is no class of transformers' MODEL_FOR_CAUSAL_LM_MAPPING (nor a subclass of one), "
+                f"and its loss_type is {_loss_type_of_name(cls.__name__)!r}, not 'ForCausalLM'")
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        source = None  # no source to read (a frozen install): nothing tells against the class
+    if source is not None and "self.loss_function(" not in source:
+        return f"{cls.__name__}.forward computes its loss without self.loss_function (transformers' ForCausalLMLoss)"
+    backbone = getattr(cls, "base_model_prefix", "") + "."
+    for key in getattr(cls, "_tied_weights_keys", None) or ():  # {output parameter: input parameter}
+        head = key.rsplit(".", 1)[0]
+        if "." in head and not key.startswith(backbone):
+            return f"{cls.__name__}'s output embeddings ({head}) come after a head transform of the hidden state"
+    return None
+
+
+def _model_problem(model) -> str | None:
+    """Why ``model``'s own loss is not ForCausalLMLoss of ``lm_head(base_model(...).last_hidden_state)``;
+    None if it is. The class first (``_class_problem``), then the model's parts: a backbone, an
+    ``nn.Linear`` lm_head (its forward uses nothing but its weight and bias), and no other module
+    at the top, which could act between the two."""
+    problem = _class_problem(type(model))
+    if problem is not None:
+        return problem
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    name = type(model).__name__
+    loss_type = getattr(model, "loss_type", None)
+    if LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is not ForCausalLMLoss:  # unknown: transformers takes ForCausalLM
+        return f"the loss_type of this {name} is {loss_type!r}"
+    own_loss = vars(model).get("_loss_function")
+    if own_loss is not None and own_loss is not ForCausalLMLoss:
+        return f"this {name}'s loss_function is replaced (by {own_loss!r})"
+    backbone, lm_head = model.base_model, model.get_output_embeddings()
+    if backbone is model:
+        return f"this {name} has no backbone (its base_model is itself)"
+    if not isinstance(lm_head, nn.Linear) or type(lm_head).forward is not nn.Linear.forward:
+        return f"this {name}'s output embeddings are a {type(lm_head).__name__}, not an nn.Linear"
+    children = dict(model.named_children())
+    if not any(child is lm_head for child in children.values()):
+        return f"this {name}'s output embeddings are not a direct child of the model (a head module holds them)"
+    others = [child_name for child_name, child in children.items() if child is not backbone and child is not lm_head]
+    if others:
+        return f"this {name} has modules besides its backbone and lm_head, which may act between them: {others}"
+    return None
+
+
+def _patch_target(model, caller: str):
+    """``model`` as a patch target (a model type resolved to its class); raises TypeError for what is
+    not a model, a model class or a model type, ValueError for a model of another loss."""
+    if isinstance(model, str):
+        model = _causal_lm_class(model)
+    elif not (isinstance(model, nn.Module) or (isinstance(model, type) and issubclass(model, nn.Module))):
+        raise TypeError(f"{caller} takes {_ACCEPTED}; got {type(model).__name__} {model!r:.80}")
+    return model
+
+
+# ---- the forward ------------------------------------------------------------------------------------
 def fused_forward(
     model,
     *args,
@@ -98,7 +201,9 @@ def fused_forward(
     Runs the backbone (``model.base_model``) on the inputs, then ``causal_lm_loss`` of its last
     hidden state with the output embeddings (``model.get_output_embeddings()``, so tied weights
     get their gradient through both uses) and the config's ``logit_options``. Same loss as
-    ``model(**inputs, labels=labels).loss``.
+    ``model(**inputs, labels=labels).loss``. A model whose own loss is not transformers'
+    ``ForCausalLMLoss`` of ``lm_head(last hidden state)`` (a masked LM, a head transform before the
+    lm_head, a MoE model adding its router loss) raises ValueError.
 
     Args:
         model: a transformers causal LM (``LlamaForCausalLM``, ``Gemma2ForCausalLM``...).
@@ -111,15 +216,27 @@ def fused_forward(
         ``logits=None``, the backbone's ``past_key_values``/``hidden_states``/``attentions``,
         ``metrics`` (with return_metrics) and ``lse`` (B, S) (with return_lse).
     """
+    if not torch.compiler.is_compiling():  # checked in eager calls; a compiled graph traces the loss alone
+        problem = _model_problem(model)
+        if problem is not None:
+            raise ValueError(f"fused_forward {_REFUSED}: {problem}")
     inputs = _named_arguments(model, args, kwargs)
     labels = inputs.pop("labels", labels)
     shift_labels = inputs.pop("shift_labels", shift_labels)
     num_items_in_batch = inputs.pop("num_items_in_batch", num_items_in_batch)
     for name in _HEAD_ONLY_ARGUMENTS:
         inputs.pop(name, None)
+    if labels is None and shift_labels is None:
+        raise ValueError("fused_forward computes the loss and no logits: it needs labels or shift_labels")
+    router_loss = inputs.get("output_router_logits")
+    if router_loss is None:
+        router_loss = getattr(model.config, "output_router_logits", False)
+    if router_loss:
+        raise ValueError("fused_forward leaves out the router's auxiliary loss that this MoE model adds to its loss "
+                         "with output_router_logits: pass output_router_logits=False")
     # use_cache stays the model's own default, as in its forward with labels: without a cache (and
     # without an attention mask) transformers looks for packed sequences in the position ids and
-    # reads the answer on the host, a sync that left the GPU idle every step (perf notes, run 39).
+    # reads the answer on the host, a sync that left the GPU idle every step.
     backbone = model.base_model
     outputs = backbone(**inputs)
     hidden = outputs.last_hidden_state
@@ -140,20 +257,27 @@ def fused_forward(
     )
 
 
+def _is_zero3_parameter(weight: Tensor) -> bool:
+    # DeepSpeed ZeRO-3 marks the parameters it partitions (read without importing deepspeed)
+    return hasattr(weight, "ds_id") and hasattr(weight, "ds_status")
+
+
 def _output_head_loss(lm_head, hidden: Tensor, loss: Callable):
     """``loss(hidden, lm_head_weight=..., lm_head_bias=...)`` with lm_head's parameters as its forward sees them.
 
     An FSDP2 unit (``fully_shard(lm_head)``, or ``fully_shard([embed_tokens, lm_head])`` when tied)
-    holds them sharded outside its forward. The loss then runs as lm_head's forward, called as the
-    model's own forward calls it: FSDP2's hooks around the call gather the parameters before it and
-    reshard them after (and, in the backward, gather them again and reduce-scatter their gradients),
-    as for the logits. A DTensor weight of tensor parallelism (``ColwiseParallel``) is read as is:
-    the loss takes it as vocabulary parallelism.
+    and DeepSpeed ZeRO-3 hold them partitioned outside the module's forward (ZeRO-3: a weight of
+    numel 0). The loss then runs as lm_head's forward, called as the model's own forward calls it:
+    the engine's hooks around the call gather the parameters before it and release them after
+    (and, in the backward, gather them again and reduce-scatter their gradients), as for the
+    logits. A DTensor weight of tensor parallelism (``ColwiseParallel``) is read as is: the loss
+    takes it as vocabulary parallelism.
     """
     # imported wherever fully_shard was called (read off its package, not sys.modules, which
     # torch.compile would trace and guard on whole: _dtensor._dtensor_module)
     fsdp = getattr(torch.distributed, "fsdp", None)
-    if fsdp is None or not isinstance(lm_head, getattr(fsdp, "FSDPModule", ())):
+    sharded = fsdp is not None and isinstance(lm_head, getattr(fsdp, "FSDPModule", ()))
+    if not (sharded or _is_zero3_parameter(lm_head.weight)):
         return loss(hidden, lm_head_weight=lm_head.weight, lm_head_bias=lm_head.bias)
     own_forward = vars(lm_head).get("forward")  # an instance's forward (accelerate's hooks), if any
     lm_head.forward = functools.partial(_loss_of_parameters, lm_head, loss=loss)
@@ -181,21 +305,31 @@ def _causal_lm_class(model_type: str) -> type:
     return getattr(transformers, name)
 
 
-def _fused_or_original(call_original, signature_of, when_training: bool, reduction: str):
-    """The patched forward: ``fused_forward`` when asked (``fused_loss=True``) or when training with
-    labels (if ``when_training``), else ``call_original(self, *args, **kwargs)``."""
+# ---- the patch ----------------------------------------------------------------------------------------
+# Keyword arguments that only the fused path takes, with the value that asks for nothing. Given
+# another value they take the fused path in any mode (eval too): the original forward would
+# swallow them (transformers passes unknown kwargs on to its loss, which ignores them).
+_FUSED_ONLY_ARGUMENTS = {"return_metrics": False, "return_lse": False, "label_smoothing": 0.0, "z_loss_scale": 0.0,
+                         "reduction": None}
 
-    @functools.wraps(signature_of)
-    def forward(self, *args, fused_loss: bool | None = None, **kwargs):
-        if fused_loss is None:
-            has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-            fused_loss = when_training and self.training and has_labels
-        if fused_loss:
-            return fused_forward(self, *args, **{"reduction": reduction, **kwargs})
-        return call_original(self, *args, **kwargs)
 
-    forward._flce_patched = True
-    return forward
+def _route(model, when_training: bool, reduction: str, fused_loss: bool | None, args: tuple, kwargs: dict,
+           call_original: Callable):
+    """The patched forward of ``model``: ``fused_forward`` when asked (``fused_loss=True``, or a
+    fused-only argument), or when training with labels (if ``when_training``); else
+    ``call_original(model, *args, **kwargs)``."""
+    asked = [name for name, nothing in _FUSED_ONLY_ARGUMENTS.items() if name in kwargs and kwargs[name] != nothing]
+    if fused_loss is None:
+        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        fused_loss = bool(asked) or (when_training and model.training and has_labels)
+    if fused_loss:
+        if kwargs.get("reduction") is None:
+            kwargs["reduction"] = reduction
+        return fused_forward(model, *args, **kwargs)
+    if asked:
+        raise ValueError(f"{', '.join(asked)}: only the fused path computes these; fused_loss=False runs the model's "
+                         f"own forward, which would ignore them")
+    return call_original(model, *args, **kwargs)
 
 
 def _call_unpatched(function, self, *args, **kwargs):
@@ -214,17 +348,58 @@ def _call_instance_original(self, *args, **kwargs):
     return _call_unpatched(type(self).forward, self, *args, **kwargs)  # the class's, as it is now
 
 
+def _patched_forward(model, when_training: bool, reduction: str, /, *args, fused_loss: bool | None = None, **kwargs):
+    return _route(model, when_training, reduction, fused_loss, args, kwargs, _call_instance_original)
+
+
+class _PatchedForward(functools.partial):
+    """A patched model's ``forward``: ``_patched_forward`` with the model and the patch's options bound.
+
+    A partial rather than a bound method: a bound method pickles as ``getattr(model, "forward")``,
+    which unpickling resolves to the class's forward (the patch silently lost), while a partial
+    pickles its function by name and its arguments, so ``pickle`` and ``torch.save(model)`` keep
+    the patch, and ``copy.deepcopy`` binds the copy's forward to the copy. Its signature is the
+    class forward's, which the HF Trainer (its dataset columns) and ``generate`` inspect.
+    """
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(type(self.args[0]).forward)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])  # bound: no self
+
+    def __repr__(self) -> str:
+        return f"<forward of a {type(self.args[0]).__name__} patched by fused_linear_ce>"
+
+
+def _class_forward(original: Callable, when_training: bool, reduction: str) -> Callable:
+    """A patched class's ``forward`` (a class attribute: pickled instances refer to their class by name)."""
+    call_original = functools.partial(_call_unpatched, original)
+
+    @functools.wraps(original)
+    def forward(self, *args, fused_loss: bool | None = None, **kwargs):
+        return _route(self, when_training, reduction, fused_loss, args, kwargs, call_original)
+
+    forward._flce_patched = True
+    return forward
+
+
 def patch_forward(model, *, when_training: bool = True, reduction: str = "mean"):
     """Makes ``model(...)`` compute its loss with ``fused_forward``, in place; returns ``model``.
 
     After it, ``model(**inputs, labels=labels)`` takes the fused path while ``model.training``
-    (when ``when_training``), and ``model(..., fused_loss=True)`` always does; otherwise (eval,
+    (when ``when_training``), and so does any call with ``fused_loss=True`` or with an argument
+    that only the fused path takes (``return_metrics=True``, ``return_lse=True``,
+    ``label_smoothing``, ``z_loss_scale``, ``reduction``), in eval mode too; otherwise (eval,
     generation, no labels, ``fused_loss=False``) the original forward runs and returns logits.
-    The fused path also takes ``return_metrics``, ``label_smoothing``, ``z_loss_scale``,
-    ``return_lse`` and ``reduction`` (see ``fused_forward``); ``reduction`` here is its default.
-    Wrappers (DDP, FSDP, accelerate) keep working since the call still goes through
+    Wrappers (DDP, FSDP, DeepSpeed, accelerate) keep working since the call still goes through
     ``model.forward``; the patched forward keeps the class forward's signature, which the HF
-    Trainer and ``generate`` inspect.
+    Trainer and ``generate`` inspect. A patched model keeps its patch through ``copy.deepcopy``,
+    ``pickle`` and ``torch.save``/``torch.load`` (which then need this kernel loaded, as the
+    pickle refers to its module).
+
+    Only models whose own loss is transformers' ``ForCausalLMLoss`` of ``lm_head(last hidden
+    state)`` are patched: a masked LM, a model with a head transform before its lm_head
+    (``BertLMHeadModel``) or without a plain ``nn.Linear`` lm_head raises ValueError.
 
     Patching again replaces the previous patch (the latest options apply; the forward is wrapped
     once); ``unpatch_forward`` undoes it.
@@ -238,24 +413,25 @@ def patch_forward(model, *, when_training: bool = True, reduction: str = "mean")
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    target = _causal_lm_class(model) if isinstance(model, str) else model
+    target = _patch_target(model, "patch_forward")
+    problem = _class_problem(target) if isinstance(target, type) else _model_problem(target)
+    if problem is not None:
+        raise ValueError(f"patch_forward {_REFUSED}: {problem}")
     unpatch_forward(target)
     if isinstance(target, type):
         original = target.forward
         target._flce_class_forward = (original, "forward" in vars(target))
-        target.forward = _fused_or_original(functools.partial(_call_unpatched, original), original, when_training,
-                                            reduction)
+        target.forward = _class_forward(original, when_training, reduction)
     else:
         target._flce_original_forward = vars(target).get("forward")  # None: the class's own
-        forward = _fused_or_original(_call_instance_original, type(target).forward, when_training, reduction)
-        target.forward = types.MethodType(forward, target)
+        target.forward = _PatchedForward(_patched_forward, target, when_training, reduction)
     return target
 
 
 def unpatch_forward(model):
     """Undoes ``patch_forward`` on a model, a model class or a model type; returns the model or
     class. Nothing happens if it is not patched."""
-    target = _causal_lm_class(model) if isinstance(model, str) else model
+    target = _patch_target(model, "unpatch_forward")
     if isinstance(target, type):
         if "_flce_class_forward" in vars(target):
             original, had_own = target._flce_class_forward
