@@ -12,8 +12,9 @@ Notation, for a row i of ``hidden`` (h_i), a vocabulary entry j and a target t_i
     d z_ij / d u_ij   = s (1 - (z_ij / c)^2)       (s alone without a softcap)
     grad_hidden = G @ W,  grad_weight = G^T @ H,  grad_bias = sum_i G_i   with G = d loss / d u
 
-With class weights w (PyTorch's ``weight=``), row i's loss is w_t times the above, except for
-the smoothing term, which becomes (eps / V) sum_j w_j (lse_i - z_ij). The per-row factors
+With class weights w (PyTorch's ``weight=``), row i's cross-entropy is w_t times the above, except
+for the smoothing term, which becomes (eps / V) sum_j w_j (lse_i - z_ij); the z-loss stays
+unweighted (its gradient then comes through the lse gradient). The per-row factors
 (w_t, and the coefficients of p) are applied outside the kernels; inside, HAS_CLASS_WEIGHT
 (set only with label smoothing) weights the logit sum, sum_j w_j z_ij, and the smoothing term
 of the gradient, (eps / V) w_j per column.

@@ -229,13 +229,20 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
                 class_weight=None, smooth_grad=None):
     """Recomputes a chunk's logits into ``out`` and turns them into its grad logits [rows, V]
-    (lse known); with label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight
-    the smoothing term."""
+    (lse known, for the z-loss term); with label smoothing, ``class_weight`` [V] and
+    ``smooth_grad`` [rows] weight the smoothing term.
+
+    The softmax is normalised by the recomputed logits' own sum, not by the forward's lse: BLAS
+    rounds a row's logits differently in another matrix shape or at another row position (the
+    forward's chunks gather the rows with a loss and are planned otherwise), and exp(z - lse)
+    turns a rounding of z into the same relative error of p: 1e-3 at |z| ~ 1e4 in fp32."""
     logits = _logits(hidden, weight, bias, opts, out=out)
     softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
-    probs = logits.sub_(lse[:, None]).exp_()
-    return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
-                          class_weight, smooth_grad)
+    row_max = _safe(logits.amax(dim=1))
+    exp_shifted = logits.sub_(row_max[:, None]).exp_()
+    inv_sum_exp = exp_shifted.sum(dim=1).reciprocal_()
+    return _grad_in_place(exp_shifted, inv_sum_exp, targets, lse, loss_grad, lse_grad, opts, softcap_grad,
+                          bias_grad_acc, class_weight, smooth_grad)
 
 
 def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
