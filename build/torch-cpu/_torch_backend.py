@@ -235,9 +235,15 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     The softmax is normalised by the recomputed logits' own sum, not by the forward's lse: BLAS
     rounds a row's logits differently in another matrix shape or at another row position (the
     forward's chunks gather the rows with a loss and are planned otherwise), and exp(z - lse)
-    turns a rounding of z into the same relative error of p: 1e-3 at |z| ~ 1e4 in fp32."""
+    turns a rounding of z into the same relative error of p: 1e-3 at |z| ~ 1e4 in fp32. A slice of
+    a sharded vocabulary (``opts.group_name``) holds only part of each row's sum: it takes the
+    forward's merged lse."""
     logits = _logits(hidden, weight, bias, opts, out=out)
     softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
+    if opts.group_name is not None:
+        probs = logits.sub_(lse[:, None]).exp_()
+        return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
+                              class_weight, smooth_grad)
     row_max = _safe(logits.amax(dim=1))
     exp_shifted = logits.sub_(row_max[:, None]).exp_()
     inv_sum_exp = exp_shifted.sum(dim=1).reciprocal_()
