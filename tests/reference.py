@@ -38,8 +38,9 @@ def reference(
     the gradients of ``sum(loss * grad_output) + sum(lse * lse_grad)`` with respect to hidden,
     weight and bias (each only where that input requires grad).
 
-    ``class_weight`` is F.cross_entropy's ``weight``; the z-loss of a row is weighted by its
-    target's class weight too, and a mean divides by the sum of those weights."""
+    ``class_weight`` is F.cross_entropy's ``weight``, for the cross-entropy only: the z-loss
+    k lse^2 is summed unweighted over the non-ignored rows (a mean divides it by their count), as
+    Liger-Kernel's fused linear cross-entropy does."""
     leaves = [None if t is None else t.detach().cpu().double().requires_grad_(t.requires_grad)
               for t in (hidden, weight, bias)]
     targets = targets.cpu()
@@ -59,14 +60,13 @@ def reference(
     w64 = None if class_weight is None else class_weight.detach().cpu().double()
     ce = F.cross_entropy(z, t, weight=w64, ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing)
-    row_weight = valid.double() if w64 is None else torch.where(valid, w64[t.clamp(0, vocab_size - 1)], 0.0)
-    z_rows = z_loss_scale * lse * lse * row_weight
+    z_rows = torch.where(valid, z_loss_scale * lse * lse, 0.0)
     if reduction == "none":
         loss = (ce + z_rows).reshape(targets.shape)
     elif reduction == "sum":
         loss = ce + z_rows.sum()
     else:
-        loss = ce + z_rows.sum() / row_weight.sum()
+        loss = ce + z_rows.sum() / valid.sum()
 
     with torch.no_grad():
         zd = z.detach()

@@ -252,16 +252,16 @@ FUNC_OPTIONS = dict(softcap=3.0, label_smoothing=0.1, z_loss_scale=1e-2)
 
 
 def _reference_loss(hidden, weight, targets, bias, reduction="mean", class_weight=None):
-    """PyTorch's loss of the same options from materialised logits (z-loss added by hand)."""
+    """PyTorch's loss of the same options from materialised logits (z-loss added by hand, not
+    class-weighted: a mean divides it by the count of non-ignored rows)."""
     z = 3.0 * torch.tanh(F.linear(hidden, weight, bias) / 3.0)
     valid = targets != -100
     lse = torch.logsumexp(z, -1)
-    row_weight = valid.float() if class_weight is None else torch.where(valid, class_weight[targets.clamp(0)], 0.0)
-    z_loss = 1e-2 * lse * lse * row_weight
+    z_loss = torch.where(valid, 1e-2 * lse * lse, 0.0)
     ce = F.cross_entropy(z, targets, weight=class_weight, reduction=reduction, label_smoothing=0.1)
     if reduction == "none":
         return ce + z_loss
-    return ce + (z_loss.sum() / row_weight.sum() if reduction == "mean" else z_loss.sum())
+    return ce + (z_loss.sum() / valid.sum() if reduction == "mean" else z_loss.sum())
 
 
 def _assert_all_close(actual, expected, what):

@@ -1,6 +1,7 @@
 """Argument errors (type and the argument's name), unchecked targets, empty inputs and the
 documented limitation of the in-forward gradients."""
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE, assert_rel, make_inputs, submodule, tolerance
@@ -73,6 +74,15 @@ BAD_ARGUMENTS = [
     ("return_metrics_str", lambda a: _with(a, return_metrics="yes"), TypeError, "return_metrics"),
     ("return_metrics_int", lambda a: _with(a, return_metrics=1), TypeError, "return_metrics"),
     ("return_lse_str", lambda a: _with(a, return_lse="no"), TypeError, "return_lse"),
+    # a numpy bool is a bool; a numpy int is not, and the message names its type as numpy does
+    ("return_metrics_numpy_int", lambda a: _with(a, return_metrics=np.int64(1)), TypeError,
+     "return_metrics must be a bool, got numpy.int64"),
+    ("return_lse_numpy_float", lambda a: _with(a, return_lse=np.float32(0)), TypeError,
+     "return_lse must be a bool, got numpy.float32"),
+    # a group's name (or anything else) is not a group, whether or not torch.distributed is initialised
+    ("process_group_str", lambda a: _with(a, process_group="x"), TypeError,
+     "process_group must be a torch.distributed.ProcessGroup or None, got str 'x'"),
+    ("process_group_int", lambda a: _with(a, process_group=0), TypeError, "process_group must be a torch.distributed"),
     # float options: numbers or 0-d tensors without gradient; not bools
     ("softcap_1d_tensor", lambda a: _with(a, softcap=torch.tensor([30.0])), ValueError, "softcap"),
     ("softcap_tensor_requiring_grad", lambda a: _with(a, softcap=torch.tensor(30.0, requires_grad=True)),
@@ -98,6 +108,20 @@ def _set_first(targets, value):
 def test_bad_argument_raises_naming_it(flce, inputs, make, error, name):
     with pytest.raises(error, match=name):
         flce.fused_linear_cross_entropy(**make(inputs))
+
+
+def test_numpy_bools_are_bools(flce, inputs):
+    """return_metrics and return_lse take numpy's bools as Python's: the same outputs."""
+    for flags in (dict(return_metrics=True, return_lse=False), dict(return_metrics=False, return_lse=True)):
+        plain = flce.fused_linear_cross_entropy(**inputs, **flags)
+        numpy_flags = flce.fused_linear_cross_entropy(**inputs, **{k: np.bool_(v) for k, v in flags.items()})
+        assert len(numpy_flags) == len(plain) == 2
+        assert torch.equal(numpy_flags[0], plain[0])
+        if flags["return_lse"]:
+            assert torch.equal(numpy_flags[1], plain[1])
+        else:
+            assert numpy_flags[1].keys() == plain[1].keys()
+            assert all(torch.equal(numpy_flags[1][k], plain[1][k]) for k in plain[1])
 
 
 def test_valid_edge_values_are_accepted(flce, inputs):

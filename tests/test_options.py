@@ -9,6 +9,7 @@ CPU) and "torch" (CPU tensors outside the interpreter: the chunked PyTorch path)
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICE, DTYPES, assert_rel, make_inputs, tolerance
 from reference import reference
 from test_loss import check_grads, check_metrics, grad_output_for
@@ -97,11 +98,12 @@ def test_class_weight_16_bit(flce, tune, case, dtype):
 
 
 def test_uniform_class_weight_is_no_weight(flce, device):
-    """Weights all equal to c: each row's loss is c times the unweighted one, and a mean is the
-    unweighted mean, with the same gradients."""
+    """Weights all equal to c: a mean is the unweighted mean (the z-loss too, which is never
+    weighted), with the same gradients, and without a z-loss each row's loss is c times the
+    unweighted one."""
     hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=3, device=device, bias=True, ignore=0.2)
-    kwargs = dict(label_smoothing=0.1, z_loss_scale=1e-2)
-    for reduction, factor in (("mean", 1.0), ("none", 2.5)):
+    for reduction, factor, z_loss_scale in (("mean", 1.0, 1e-2), ("none", 2.5, 0.0)):
+        kwargs = dict(label_smoothing=0.1, z_loss_scale=z_loss_scale)
         results = []
         for weights in (None, torch.full((V,), 2.5, device=device)):
             for t in (hidden, weight, bias):
@@ -113,6 +115,63 @@ def test_uniform_class_weight_is_no_weight(flce, device):
         unweighted, weighted = results
         for name, a, b in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), weighted, unweighted, strict=True):
             assert_rel(a, factor * b, tolerance(torch.float32, "loss"), name)
+
+
+# ---- z-loss with class weights: Liger-Kernel's convention ------------------------------------------
+def _weighted_ce_plus_z_loss(hidden, weight, targets, bias, class_weight, reduction, label_smoothing, z_loss_scale,
+                             grad_output, lse_grad=None):
+    """float64 loss and gradients (hidden, weight, bias) from the formula: PyTorch's class-weighted
+    cross-entropy (label smoothing as PyTorch combines it) plus the z-loss k lse_i^2 unweighted,
+    summed over the non-ignored rows, divided by their count for "mean"."""
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (hidden, weight, bias)]
+    h, w, b = leaves
+    logits = h @ w.T + b
+    t = targets.cpu()
+    valid = t != -100
+    ce = F.cross_entropy(logits, t, weight=class_weight.cpu().double(), reduction=reduction,
+                         label_smoothing=label_smoothing)
+    lse = torch.logsumexp(logits, dim=1)
+    z_loss = torch.where(valid, z_loss_scale * lse**2, 0.0)
+    loss = {"none": ce + z_loss, "sum": ce + z_loss.sum(), "mean": ce + z_loss.sum() / valid.sum()}[reduction]
+    out = (loss * grad_output.cpu().double()).sum()
+    if lse_grad is not None:
+        out = out + (lse * lse_grad.cpu().double()).sum()
+    return loss.detach(), torch.autograd.grad(out, leaves)
+
+
+Z_LOSS_CASES = {
+    "mean": dict(reduction="mean"),  # (recomputed in the backward: the in-forward pass weights its z-loss term)
+    "sum_lse": dict(reduction="sum", return_lse=True),
+    "none": dict(reduction="none"),
+    "mean_smoothing": dict(reduction="mean", label_smoothing=0.2),
+}
+
+
+@pytest.mark.parametrize("case", list(Z_LOSS_CASES))
+def test_z_loss_is_not_class_weighted(flce, device, case):
+    """With class weights the z-loss k lse_i^2 is unweighted, as Liger-Kernel's fused linear
+    cross-entropy adds it: "mean" is sum_i w_ti CE_i / sum_i w_ti + k sum_i lse_i^2 / n_valid. Rows
+    of weight-0 classes (rows 1 and 2) have no cross-entropy but their z-loss and its gradient."""
+    c = dict(Z_LOSS_CASES[case])
+    return_lse = c.pop("return_lse", False)
+    hidden, weight, targets, bias = make_inputs(N, H, V, torch.float32, seed=31, device=device, bias=True, ignore=0.2)
+    targets[1:3] = torch.tensor([7, 14])  # classes of weight 0
+    weights = class_weights(V, device)
+    z_loss_scale = 0.05  # a z-loss of about a quarter of the cross-entropy (lse ~ 5): weighting it shows
+    out = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, class_weight=weights,
+                                          z_loss_scale=z_loss_scale, return_lse=return_lse, **c)
+    loss = out[0] if return_lse else out
+    grad_output = grad_output_for(loss, 0.7)
+    total = (loss * grad_output).sum()
+    lse_grad = torch.linspace(-0.5, 1.0, N) if return_lse else None
+    if return_lse:
+        total = total + (out[1] * lse_grad.to(device)).sum()
+    total.backward()
+    expected, grads = _weighted_ce_plus_z_loss(hidden, weight, targets, bias, weights, c["reduction"],
+                                               c.get("label_smoothing", 0.0), z_loss_scale, grad_output, lse_grad)
+    assert_rel(loss, expected, tolerance(torch.float32, "loss"), "loss")
+    for name, tensor, grad in zip(("hidden", "weight", "bias"), (hidden, weight, bias), grads, strict=True):
+        assert_rel(tensor.grad, grad, tolerance(torch.float32, "grad"), f"grad_{name}")
 
 
 # ---- predictions and per-token metrics -----------------------------------------------------------
@@ -166,3 +225,20 @@ def test_int32_targets_with_ignore_index_beyond_int32(flce, device, ignore_index
     assert_rel(results[1][2], ref.grad_hidden, tolerance(torch.float32, "grad"), "grad_hidden")
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("ignore_index", [2**32, -(2**31) - 1])
+def test_int32_targets_with_shift_and_ignore_index_beyond_int32(flce, device, ignore_index):
+    """``shift`` pads the last position's target with ignore_index: int32 targets are taken to
+    int64 before that (an int32 pad of 2**32 overflowed), and give the loss and gradient of the
+    explicitly shifted targets, with none of the last positions' hidden gradient."""
+    hidden, weight, targets, _ = make_inputs(N, H, V, torch.float32, seed=9, device=device, lead=(2, 12),
+                                             target_dtype=torch.int32)
+    loss = flce.fused_linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, shift=1)
+    loss.backward()
+    kept_hidden = hidden.detach()[:, :-1].clone().requires_grad_()
+    ref = reference(kept_hidden, weight, targets[:, 1:].long(), ignore_index=ignore_index,
+                    grad_output=torch.tensor(1.0))
+    assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
+    assert_rel(hidden.grad[:, :-1], ref.grad_hidden, tolerance(torch.float32, "grad"), "grad_hidden")
+    assert torch.equal(hidden.grad[:, -1], torch.zeros_like(hidden.grad[:, -1]))

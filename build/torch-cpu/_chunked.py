@@ -23,13 +23,16 @@ Backward of reduction "none" (a gradient per row, unknown in the forward) or of 
 lse: the logits are recomputed chunk by chunk, now with lse known, and written directly
 as grad logits (8 N V H flops in all).
 Class weights w (PyTorch's ``weight=``) stay outside the chunk loop's kernels but for label
-smoothing: a row's loss and gradient are those of the unweighted row times w_t (see
-``weight_row_losses`` and ``kernel_row_grads``), and a mean divides by the sum of w_t.
+smoothing: a row's cross-entropy and its gradient are those of the unweighted row times w_t (see
+``weight_row_losses`` and ``kernel_row_grads``), and a mean divides them by the sum of w_t. The
+z-loss is not weighted, as in Liger-Kernel (whose fused linear cross-entropy takes both options):
+k lse_i^2 summed over the non-ignored rows, a mean divides it by their count (``z_loss_rows``,
+``recomputed_row_grads``).
 """
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -73,6 +76,17 @@ def backend_for(device: torch.device) -> Backend:
         if backend.KERNELS_INTERPRETED:
             return backend
     return _torch_backend
+
+
+def _check_interpretable(backend: Backend, hidden: torch.Tensor) -> None:
+    """Refuses bf16 in Triton's interpreter (the Triton backend on CPU tensors), whose tl.dot gets
+    bfloat16 wrong (triton issue #11584): the loss would be garbage, silently. Not upcast to fp32
+    there: the interpreter is for checking the kernels as they run on the GPU, and the PyTorch
+    path runs bf16 on CPU tensors as it is."""
+    if hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu" and backend is not _torch_backend:
+        raise ValueError("hidden is bfloat16, which cannot run in Triton's interpreter (TRITON_INTERPRET=1: its "
+                         "tl.dot gets bfloat16 wrong): use float32 or float16 there, or unset TRITON_INTERPRET "
+                         "for the PyTorch path on CPU tensors")
 
 
 @dataclass
@@ -500,15 +514,38 @@ def row_loss_grad(targets, opts: LossOptions, reduction: str, grad_output: torch
     return torch.where(valid, grad_output, torch.zeros((), device=targets.device, dtype=grad_output.dtype))
 
 
+def z_loss_rows(lse: torch.Tensor, targets: torch.Tensor, opts: LossOptions) -> torch.Tensor | None:
+    """The z-loss k lse_i^2 [N] of each row, 0 on ignored rows; None without a z-loss."""
+    if not opts.has_z_loss:
+        return None
+    return torch.where(targets != opts.ignore_index, opts.z_loss_scale * lse * lse, 0.0)
+
+
+def recomputed_row_grads(targets, opts: LossOptions, reduction: str, grad_output: torch.Tensor, lse_grad, lse,
+                         row_weight: torch.Tensor | None):
+    """(loss_grad, lse_grad) [N] for ``backward``: d out / d loss_i (``row_loss_grad``) and
+    d out / d lse_i (``lse_grad`` [N] of the returned lse, or None). With class weights and a
+    z-loss, the z-loss's gradient 2 k lse_i g_i joins lse_grad, with g_i = d out / d (k lse_i^2)
+    unweighted (grad_output, over the non-ignored rows' count for a mean); the rows' loss_grad
+    then stands for their weighted cross-entropy alone."""
+    loss_grad = row_loss_grad(targets, opts, reduction, grad_output, row_weight)
+    if row_weight is None or not opts.has_z_loss:
+        return loss_grad, lse_grad
+    z_grad = row_loss_grad(targets, opts, reduction, grad_output)
+    extra = (2.0 * opts.z_loss_scale) * lse * z_grad.to(lse.dtype)
+    return loss_grad, extra if lse_grad is None else lse_grad + extra
+
+
 def kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts: LossOptions, vocab_size: int):
     """The kernels' per-row (loss_grad, lse_grad, smooth_grad) for d out / d loss_i = ``loss_grad``
     when rows carry class weights ``row_weight`` (w_t; ``weight_sum`` = sum_j w_j).
 
-    Row i's loss is w_t (lse - z_t) + k w_t lse^2, so the kernels take loss_grad w_t. With label
-    smoothing, (1 - eps) w_t (lse - z_t) + (eps / V) sum_j w_j (lse - z_j) + k w_t lse^2 has the
-    gradient p_j ((1 - eps) w_t + eps W / V + 2 k w_t lse) - (1 - eps) w_t [j = t] - (eps / V) w_j:
-    the kernels' coefficient of p gets loss_grad eps (W / V - w_t) through lse_grad, and their
-    smoothing term the column weights w_j, for smooth_grad = loss_grad."""
+    Row i's cross-entropy is w_t (lse - z_t), so the kernels take loss_grad w_t (and no z-loss:
+    its gradient is in lse_grad, ``recomputed_row_grads``). With label smoothing,
+    (1 - eps) w_t (lse - z_t) + (eps / V) sum_j w_j (lse - z_j) has the gradient
+    p_j ((1 - eps) w_t + eps W / V) - (1 - eps) w_t [j = t] - (eps / V) w_j: the kernels'
+    coefficient of p gets loss_grad eps (W / V - w_t) through lse_grad, and their smoothing term
+    the column weights w_j, for smooth_grad = loss_grad."""
     if row_weight is None:
         return loss_grad, lse_grad, None
     weighted = loss_grad * row_weight
@@ -520,18 +557,20 @@ def kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts: LossOpti
 
 def weight_row_losses(out: RowResults, stats: RowStats, targets, row_weight, weight_sum, opts: LossOptions,
                       vocab_size: int) -> None:
-    """Rewrites ``out.loss`` with class weights, as F.cross_entropy(weight=...) gives it per row:
-    w_t (lse - z_t) + k w_t lse^2, and with label smoothing
-    (1 - eps) w_t (lse - z_t) + (eps / V) (W lse - sum_j w_j z_j) + k w_t lse^2 (W = sum_j w_j;
-    ``stats.logit_sum`` holds sum_j w_j z_j then)."""
-    if not opts.has_smoothing:
+    """Rewrites ``out.loss`` with class weights as F.cross_entropy(weight=...) gives it per row:
+    w_t (lse - z_t), and with label smoothing (1 - eps) w_t (lse - z_t) + (eps / V) (W lse - sum_j w_j z_j)
+    (W = sum_j w_j; ``stats.logit_sum`` holds sum_j w_j z_j then); 0 on ignored rows. The z-loss,
+    unweighted, is left out: ``_forward_result`` adds it (``z_loss_rows``)."""
+    if not opts.has_smoothing and not opts.has_z_loss:
         out.loss.mul_(row_weight)  # 0 on ignored rows already
         return
-    eps, lse = opts.label_smoothing, out.lse
-    loss = ((1.0 - eps) * row_weight * (lse - stats.target_logit)
-            + eps * opts.inv_vocab_size(vocab_size) * (weight_sum * lse - stats.logit_sum))
-    if opts.has_z_loss:
-        loss = loss + opts.z_loss_scale * row_weight * lse * lse
+    lse = out.lse
+    if opts.has_smoothing:
+        eps = opts.label_smoothing
+        loss = ((1.0 - eps) * row_weight * (lse - stats.target_logit)
+                + eps * opts.inv_vocab_size(vocab_size) * (weight_sum * lse - stats.logit_sum))
+    else:
+        loss = row_weight * (lse - stats.target_logit)
     out.loss.copy_(torch.where(targets != opts.ignore_index, loss, torch.zeros_like(loss)))
 
 
@@ -565,6 +604,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     vocab_size = weight.shape[0]
     device = hidden.device
     backend = backend_for(device)
+    _check_interpretable(backend, hidden)
     f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
     training = any(grads) and n_rows > 0
     row_order = _row_order(backend, targets, opts, reduction, all_rows)
@@ -583,9 +623,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
-    # (the caller keeps class-weighted label smoothing off this path: its smoothing term is not
-    # in the stored-logits gradient pass)
+    # (the caller keeps class-weighted label smoothing and z-loss off this path: the smoothing
+    # term and the unweighted z-loss are not in the stored-logits gradient pass)
     assert not (training and local_class_weight is not None), "class-weighted smoothing recomputes"
+    assert not (training and row_weight is not None and opts.has_z_loss), "class-weighted z-loss recomputes"
     n_chunks = _cdiv(n_rows, chunk) if training else 0
     gradients = _Gradients(hidden, vocab_size, grads, chunk, n_chunks, row_order, shard)
     slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
@@ -735,15 +776,18 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
     def unordered(t):
         return t if t is None or row_order is None else row_order.unorder(t)
 
+    # With class weights the rows hold their weighted cross-entropy, and the z-loss, unweighted,
+    # is added here: a mean divides the one by the sum of the weights, the other by the count.
+    z_rows = z_loss_rows(results.lse, targets, opts) if row_weight is not None else None
     if reduction == "none":
-        loss = unordered(results.loss)
+        loss = unordered(results.loss if z_rows is None else results.loss + z_rows)
     else:
         loss = results.loss.sum()
+        count = (targets != opts.ignore_index).sum() if row_order is None else row_order.count[0]
         if reduction == "mean":
-            if row_weight is not None:
-                loss = loss / row_weight.sum()
-            else:
-                loss = loss / ((targets != opts.ignore_index).sum() if row_order is None else row_order.count[0])
+            loss = loss / (count if row_weight is None else row_weight.sum())
+        if z_rows is not None:
+            loss = loss + (z_rows.sum() / count if reduction == "mean" else z_rows.sum())
     if return_metrics:
         num_correct, entropy_sum = results.correct.sum(dtype=torch.int64), results.entropy.sum()
     else:
@@ -764,12 +808,15 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
              entropy_grad: torch.Tensor | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
-    of the forward; ``entropy_grad`` [N] is d out / d entropy_i, whose -e_i H_i part the caller
-    has added to ``lse_grad``."""
+    of the forward. With class weights, ``lse_grad`` carries the z-loss's gradient
+    (``recomputed_row_grads``), which the kernels then leave out. ``entropy_grad`` [N] is
+    d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     backend = backend_for(hidden.device)
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
+    if row_weight is not None and opts.has_z_loss:
+        opts = replace(opts, z_loss_scale=0.0)
     weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
     loss_grad, lse_grad, smooth_grad = kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts, vocab_size)
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)

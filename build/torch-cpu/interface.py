@@ -104,16 +104,37 @@ def _number(name: str, value):
     return float(value) if isinstance(value, numbers.Real) else value
 
 
+def _type_name(value) -> str:
+    """A value's type as an error message names it: ``int``, ``numpy.int64``, ``torch.Tensor``."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _is_bool(value) -> bool:
+    """A Python bool or a numpy one, told by its type's name (no numpy import, and no look-up of
+    sys.modules, which torch.compile would trace and guard on whole)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def _check_options(targets: Tensor, return_metrics, return_lse, shift) -> None:
     for name, value in (("return_metrics", return_metrics), ("return_lse", return_lse)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        if not _is_bool(value):
+            raise TypeError(f"{name} must be a bool, got {_type_name(value)} {value!r}")
     if isinstance(shift, bool) or not isinstance(shift, int):
-        raise TypeError(f"shift must be an int, got {type(shift).__name__} {shift!r}")
+        raise TypeError(f"shift must be an int, got {_type_name(shift)} {shift!r}")
     if shift < 0:
         raise ValueError(f"shift must be >= 0, got {shift}")
     if shift and targets.dim() == 0:
         raise ValueError("shift needs a sequence dimension: targets is 0-d")
+
+
+def _check_process_group(process_group) -> None:
+    """A ProcessGroup, not anything else that the collectives would misread (a group's name, a rank)."""
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                        f"{_type_name(process_group)} {process_group!r}")
 
 
 def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
@@ -219,8 +240,8 @@ def fused_linear_cross_entropy(
     The logits are ``z = (hidden @ weight.T + bias) * logit_scale``, then
     ``softcap * tanh(z / softcap)`` when ``softcap`` is set; the loss equals
     ``F.cross_entropy(z.float(), targets, weight=class_weight, ignore_index=...,
-    reduction=..., label_smoothing=...)``, plus ``z_loss_scale * logsumexp(z)**2`` per
-    non-ignored row (times its target's class weight).
+    reduction=..., label_smoothing=...)``, plus the z-loss ``z_loss_scale * logsumexp(z)**2`` of
+    each non-ignored row (summed, or averaged over those rows for "mean"; never class-weighted).
 
     Args:
         hidden: (..., H) float32, bfloat16, float16 or float64.
@@ -248,9 +269,12 @@ def fused_linear_cross_entropy(
         return_lse: also return the per-row ``logsumexp(z)`` (float32, targets' shape),
             which receives gradients too.
         class_weight: (V,) of the whole vocabulary (every rank passes all of it under
-            ``process_group``), any float dtype, or None: ``F.cross_entropy``'s ``weight``. Row i
-            counts w[t_i] times (its z-loss too) and a mean divides by the sum of w[t_i] over the
-            non-ignored rows; label smoothing combines with it as in PyTorch. No gradient.
+            ``process_group``), any float dtype, or None: ``F.cross_entropy``'s ``weight``. Row i's
+            cross-entropy counts w[t_i] times and a mean divides it by the sum of w[t_i] over the
+            non-ignored rows; label smoothing combines with it as in PyTorch. The z-loss is not
+            weighted, as in Liger-Kernel's fused linear cross-entropy (the same loss for users who
+            switch): "mean" is ``sum_i w[t_i] CE_i / sum_i w[t_i] + z_loss_scale * sum_i lse_i**2 /
+            n_valid``, "none" ``w[t_i] CE_i + z_loss_scale * lse_i**2``. No gradient.
         process_group: vocabulary parallelism. ``weight`` (and ``bias``) hold this rank's
             contiguous slice of the vocabulary's rows; ``hidden`` and ``targets`` (global
             indices) are the same on every rank. Every rank gets the loss and metrics of the
@@ -308,6 +332,9 @@ def fused_linear_cross_entropy(
     ignore_index = _checked_ignore_index(ignore_index)
     _check_no_dual(hidden, weight, bias)
     _check_options(targets, return_metrics, return_lse, shift)
+    if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
+        # No int32 target equals this ignore_index: compare in int64 (before the shift pads with it).
+        targets = targets.long()
     if shift:
         targets = _shift_targets(targets, shift, ignore_index)
     vocab_size, hidden_size = weight.shape
@@ -317,6 +344,7 @@ def fused_linear_cross_entropy(
         if functorch:
             raise RuntimeError("fused_linear_cross_entropy does not support process_group under torch.func "
                                "transforms (grad, vjp, jacrev, vmap)")
+        _check_process_group(process_group)
         if _targets_checked(targets):  # the ranks' agreement, the slices' tiling and the targets' range, at once
             options = dict(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction=reduction,
                            return_metrics=return_metrics, return_lse=return_lse, label_smoothing=label_smoothing,
@@ -332,8 +360,6 @@ def fused_linear_cross_entropy(
     if class_weight is not None:
         _check_class_weight(class_weight, total_vocab_size, hidden)
         class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
-    if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
-        targets = targets.long()  # no int32 target equals this ignore_index: compare in int64
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
@@ -357,10 +383,10 @@ def fused_linear_cross_entropy(
         needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
         # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
         # them; otherwise recomputed in the backward (8 N V H flops in all). float64 (for
-        # verification: gradcheck backpropagates more than once) and class-weighted label
-        # smoothing always recompute.
+        # verification: gradcheck backpropagates more than once) and class weights with label
+        # smoothing or a z-loss (terms the stored-logits pass does not weight) always recompute.
         in_forward = (any(needs) and reduction != "none" and not return_lse and hidden.dtype != torch.float64
-                      and not (class_weight is not None and label_smoothing != 0))
+                      and not (class_weight is not None and (label_smoothing != 0 or z_loss_scale != 0)))
         loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = forward_op(
             hidden_2d, weight, targets_1d, bias, class_weight, *options.op_args(), reduction, bool(return_metrics),
             *(in_forward and n for n in needs),

@@ -242,15 +242,32 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
                 class_weight=None, smooth_grad=None, entropy_grad=None):
     """Recomputes a chunk's logits into ``out`` and turns them into its grad logits [rows, V]
-    (lse known); with label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] weight
-    the smoothing term."""
+    (lse known, for the z-loss term); with label smoothing, ``class_weight`` [V] and
+    ``smooth_grad`` [rows] weight the smoothing term.
+
+    The softmax is normalised by the recomputed logits' own sum, not by the forward's lse: BLAS
+    rounds a row's logits differently in another matrix shape or at another row position (the
+    forward's chunks gather the rows with a loss and are planned otherwise), and exp(z - lse)
+    turns a rounding of z into the same relative error of p: 1e-3 at |z| ~ 1e4 in fp32. A slice of
+    a sharded vocabulary (``opts.group_name``) holds only part of each row's sum: it takes the
+    forward's merged lse."""
     logits = _logits(hidden, weight, bias, opts, out=out)
     softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
-    log_probs = logits.sub_(lse[:, None])
-    saved_log_probs = log_probs.clone() if entropy_grad is not None else None
-    probs = log_probs.exp_()
-    return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
-                          class_weight, smooth_grad, entropy_grad, saved_log_probs)
+    if opts.group_name is not None:  # a slice of the vocabulary: normalised by the merged lse
+        log_probs = logits.sub_(lse[:, None])
+        saved_log_probs = log_probs.clone() if entropy_grad is not None else None
+        probs = log_probs.exp_()
+        return _grad_in_place(probs, None, targets, lse, loss_grad, lse_grad, opts, softcap_grad, bias_grad_acc,
+                              class_weight, smooth_grad, entropy_grad, saved_log_probs)
+    row_max = _safe(logits.amax(dim=1))
+    shifted = logits.sub_(row_max[:, None])
+    saved_log_probs = shifted.clone() if entropy_grad is not None else None
+    exp_shifted = shifted.exp_()
+    sum_exp = exp_shifted.sum(dim=1)
+    if saved_log_probs is not None:  # log p = z - max - log sum_j exp(z_j - max)
+        saved_log_probs.sub_(sum_exp.log()[:, None])
+    return _grad_in_place(exp_shifted, sum_exp.reciprocal(), targets, lse, loss_grad, lse_grad, opts, softcap_grad,
+                          bias_grad_acc, class_weight, smooth_grad, entropy_grad, saved_log_probs)
 
 
 def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:

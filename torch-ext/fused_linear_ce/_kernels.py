@@ -12,8 +12,9 @@ Notation, for a row i of ``hidden`` (h_i), a vocabulary entry j and a target t_i
     d z_ij / d u_ij   = s (1 - (z_ij / c)^2)       (s alone without a softcap)
     grad_hidden = G @ W,  grad_weight = G^T @ H,  grad_bias = sum_i G_i   with G = d loss / d u
 
-With class weights w (PyTorch's ``weight=``), row i's loss is w_t times the above, except for
-the smoothing term, which becomes (eps / V) sum_j w_j (lse_i - z_ij). The per-row factors
+With class weights w (PyTorch's ``weight=``), row i's cross-entropy is w_t times the above, except
+for the smoothing term, which becomes (eps / V) sum_j w_j (lse_i - z_ij); the z-loss stays
+unweighted (its gradient then comes through the lse gradient). The per-row factors
 (w_t, and the coefficients of p) are applied outside the kernels; inside, HAS_CLASS_WEIGHT
 (set only with label smoothing) weights the logit sum, sum_j w_j z_ij, and the smoothing term
 of the gradient, (eps / V) w_j per column.
@@ -26,7 +27,8 @@ reduces the tile to a few numbers that can be merged in any grouping (online sof
     m  = max_j z_j                       tile max
     s  = sum_j exp(z_j - m)              sum of exponentials relative to m
     a  = sum_j exp(z_j - m) (m - z_j)    entropy term relative to m (>= 0)
-    arg = first j with z_j == m          (PyTorch's argmax tie-break)
+    arg = first j with z_j NaN, else     (torch.argmax's answer; a NaN's index is stored with
+          first j with z_j == m           the sign bit set, NAN_INDEX, so that merges prefer it)
 
 Two partial states (m1, s1, a1) and (m2, s2, a2) merge into M = max(m1, m2) with
 s = sum_k exp(m_k - M) s_k and a = sum_k exp(m_k - M) (a_k + s_k (M - m_k)); at the end
@@ -70,6 +72,10 @@ MODE_STATS_AND_EXP = tl.constexpr(3)  # tile statistics, and exp(z - row referen
 # Larger than any column index: the neutral element of the first-index argmax (a min over the
 # indices where the max is reached), and the value of a tile or row without one.
 NO_INDEX = tl.constexpr(2147483647)
+# A NaN logit's column j is kept as j | NAN_INDEX (j - 2^31): below every column index, so that the
+# min that picks the first max picks the first NaN where there is one, as torch.argmax does;
+# ``& NO_INDEX`` gives back j (and leaves other indices as they are).
+NAN_INDEX = tl.constexpr(-2147483648)
 
 # How far above the row's reference B_i a tile's max may go before the tile takes its own max as
 # reference: e^40 ~ 2e17 keeps every stored exponential, and products of them with the weights,
@@ -109,10 +115,53 @@ def _target_columns(targets, vocab_size):
     return tl.where((targets >= 0) & (targets < vocab_size), targets, -1).to(tl.int32)
 
 
+# Below this |x|, tanh is an odd polynomial (``_tanh``).
+TANH_POLY_BOUND = tl.constexpr(0.625)
+
+
 @triton.jit
 def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 without overflow for large |x|.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """tanh(x) elementwise (fp32 or fp64, x's shape), within a few roundings r of x's dtype
+    (r = 2^-24 in fp32, 2^-53 in fp64) of the exact value, relative, for every x.
+
+    For |x| >= TANH_POLY_BOUND: 1 - 2 / (exp(2|x|) + 1), with x's sign. It saturates to +-1 without
+    overflow (exp -> inf), but its subtraction leaves an error of about r absolute, r / tanh(x)
+    relative: used for all x, a softcap c would put an error of about c r on every logit, whatever
+    its size, and the z / c of a huge cap would round the logits to a constant. Above the bound
+    the error is r plus (1 - tanh) / tanh times the roundings of exp, the add and the division;
+    that factor is 0.8 at |x| = 0.625 (tanh = 0.555), and the form is within 2r there and above
+    (measured against mpmath on [0.625, 20], fp32 and fp64).
+
+    Below: x (1 + s Q(s)), s = x^2, with Q interpolating (tanh(x) / x - 1) / s at Chebyshev nodes
+    of [0, 0.625^2] (coefficients near Taylor's -1/3, 2/15, -17/315, ...). The bound trades the
+    polynomial's degree against the exp form's cancellation: tanh's poles at +-i pi / 2 make a
+    degree-n fit on [-0.625, 0.625] converge as about 5^-n, so degree 13 is within 0.01r in fp32
+    and degree 25 in fp64; by Horner's rule the result is within 1.1r (fp32) and 2r (fp64). Plain
+    multiplies and adds, the same in the interpreter and compiled; every kernel that caps logits
+    calls this one function, so that they agree bit for bit."""
+    abs_x = tl.abs(x)
+    s = x * x
+    if x.dtype == tl.float64:
+        q = -3.1201101425797402e-05 + s * 6.485163482793113e-06
+        q = 9.2571161295567687e-05 + s * q
+        q = -0.0002375906496055562 + s * q
+        q = 0.00058966065777570434 + s * q
+        q = -0.0014557754120478055 + s * q
+        q = 0.0035921217511549622 + s * q
+        q = -0.0088632351032408782 + s * q
+        q = 0.021869488519008305 + s * q
+        q = -0.053968253967896992 + s * q
+        q = 0.13333333333333042 + s * q
+        q = -0.33333333333333331 + s * q
+    else:
+        q = -0.00834394526 + s * 0.00229274482
+        q = 0.0217689183 + s * q
+        q = -0.0539592579 + s * q
+        q = 0.133333042 + s * q
+        q = -0.333333343 + s * q
+    small = x + x * (s * q)
+    large = 1.0 - 2.0 / (tl.exp(2.0 * abs_x) + 1.0)
+    return tl.where(abs_x < TANH_POLY_BOUND, small, tl.where(x < 0.0, -large, large))
 
 
 @triton.jit
@@ -385,8 +434,13 @@ def _logit_tile_kernel(
                 else:
                     entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
                 tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
-                # the tile's first column of its max (NO_INDEX where the tile is all -inf, past V)
+                # the tile's first column of its max (NO_INDEX where the tile is all -inf, past V), or
+                # as torch.argmax its first NaN's (with NAN_INDEX): a NaN makes the tile's sum NaN,
+                # so that only such (rare) tiles look for one
                 argmax = tl.where(tile_max == float("-inf"), NO_INDEX, pid_v * BLOCK_V + argmax)
+                if tl.max((sum_exp != sum_exp).to(tl.int32), axis=0) > 0:
+                    first_nan = tl.min(tl.where(logits != logits, offs_v[None, :], NO_INDEX), axis=1)
+                    argmax = tl.where(first_nan != NO_INDEX, first_nan | NAN_INDEX, argmax)
                 tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
             if HAS_SMOOTHING:
                 summed = logits
@@ -434,9 +488,9 @@ def _merge_tiles(
 ):
     """The row statistics [BLOCK_R] of rows ``offs_r`` merged from their tiles' [rows, num_tiles],
     in tile order (deterministic): (row_max, sum_exp relative to it, entropy term relative to it,
-    argmax int32, logit sum); the last three are zeros / NO_INDEX unless RETURN_METRICS or
-    HAS_SMOOTHING. The tiles' sums are relative to their tile max, or with ROW_REFERENCE to
-    ``_exp_reference``'s against ``row_ref`` [BLOCK_R]."""
+    argmax int32 (the first NaN's column if any tile has one), logit sum); the last three are
+    zeros / NO_INDEX unless RETURN_METRICS or HAS_SMOOTHING. The tiles' sums are relative to
+    their tile max, or with ROW_REFERENCE to ``_exp_reference``'s against ``row_ref`` [BLOCK_R]."""
     base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
 
     # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
@@ -471,12 +525,12 @@ def _merge_tiles(
             gap = tl.where(live, safe_max[:, None] - reference, 0.0)
             entropy_term += weight * (tile_entropy + tile_sum * gap)
             tile_argmax = tl.load(tile_argmax_ptr + ptrs, mask=mask, other=NO_INDEX)
-            at_max = mask & (tile_max == row_max[:, None])
+            at_max = mask & ((tile_max == row_max[:, None]) | (tile_argmax < 0))  # a tile's NaN (NAN_INDEX)
             argmax = tl.minimum(argmax, tl.where(at_max, tile_argmax, NO_INDEX))
         if HAS_SMOOTHING:
             logit_sum += tl.load(tile_logit_sum_ptr + ptrs, mask=mask, other=0.0)
     # Fixed-shape tree reductions: the same summation order on every call.
-    return (row_max, tl.sum(sum_exp, axis=1), tl.sum(entropy_term, axis=1), tl.min(argmax, axis=1),
+    return (row_max, tl.sum(sum_exp, axis=1), tl.sum(entropy_term, axis=1), tl.min(argmax, axis=1) & NO_INDEX,
             tl.sum(logit_sum, axis=1))
 
 

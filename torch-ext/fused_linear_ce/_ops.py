@@ -230,9 +230,9 @@ def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_g
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
     row_weight = _chunked.row_weights(targets, class_weight, opts.ignore_index)
-    row_grad = _chunked.row_loss_grad(targets, opts, reduction, loss_grad, row_weight)
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
+    row_grad, lse_grad = _chunked.recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
     grads = backward_op(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
