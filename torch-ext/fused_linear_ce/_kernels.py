@@ -27,8 +27,9 @@ reduces the tile to a few numbers that can be merged in any grouping (online sof
     m  = max_j z_j                       tile max
     s  = sum_j exp(z_j - m)              sum of exponentials relative to m
     a  = sum_j exp(z_j - m) (m - z_j)    entropy term relative to m (>= 0)
-    arg = first j with z_j NaN, else     (torch.argmax's answer; a NaN's index is stored with
-          first j with z_j == m           the sign bit set, NAN_INDEX, so that merges prefer it)
+    arg = first j with z_j == m          (torch.argmax's answer; a NaN counts as +inf, and the
+                                          column of a tile whose sum is NaN is stored with the
+                                          sign bit set, NAN_INDEX, so that merges prefer it)
 
 Two partial states (m1, s1, a1) and (m2, s2, a2) merge into M = max(m1, m2) with
 s = sum_k exp(m_k - M) s_k and a = sum_k exp(m_k - M) (a_k + s_k (M - m_k)); at the end
@@ -412,8 +413,9 @@ def _logit_tile_kernel(
             )
         else:
             # ---- tile statistics ----------------------------------------------------------
-            if RETURN_METRICS:  # the max and its first column in one reduction
-                tile_max, argmax = tl.max(logits, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            if RETURN_METRICS:  # the max and its first column in one reduction, a NaN counting as +inf
+                tile_max, argmax = tl.max(tl.where(logits != logits, float("inf"), logits), axis=1, return_indices=True,
+                                          return_indices_tie_break_left=True)
             else:
                 tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
             row_ref = tile_max
@@ -434,13 +436,12 @@ def _logit_tile_kernel(
                 else:
                     entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
                 tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
-                # the tile's first column of its max (NO_INDEX where the tile is all -inf, past V), or
-                # as torch.argmax its first NaN's (with NAN_INDEX): a NaN makes the tile's sum NaN,
-                # so that only such (rare) tiles look for one
-                argmax = tl.where(tile_max == float("-inf"), NO_INDEX, pid_v * BLOCK_V + argmax)
-                if tl.max((sum_exp != sum_exp).to(tl.int32), axis=0) > 0:
-                    first_nan = tl.min(tl.where(logits != logits, offs_v[None, :], NO_INDEX), axis=1)
-                    argmax = tl.where(first_nan != NO_INDEX, first_nan | NAN_INDEX, argmax)
+                # The tile's first column of its max (NO_INDEX where the tile is all -inf, past V), or
+                # its first NaN's, marked NAN_INDEX, as torch.argmax takes a NaN for the largest: such
+                # a tile's max is +inf and its sum NaN (exp(NaN - inf)), as is the row's loss.
+                argmax = pid_v * BLOCK_V + argmax
+                argmax = tl.where(tile_max == float("-inf"), NO_INDEX, tl.where(sum_exp != sum_exp, argmax | NAN_INDEX,
+                                                                                 argmax))
                 tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
             if HAS_SMOOTHING:
                 summed = logits
