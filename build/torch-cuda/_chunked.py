@@ -344,8 +344,8 @@ class _Gradients:
     def _add_weight_chunk(self, lhs, rhs):
         """grad_weight += lhs @ rhs. A 16-bit running sum is rounded every chunk (on the H200,
         cuBLAS's beta = 1 result is off by up to a whole 16-bit step, as if it rounded lhs @ rhs
-        before adding the sum, with or without torch's reduced-precision reductions: perf notes, runs
-        57-58), so that its error grows with the number of
+        before adding the sum, with or without torch's reduced-precision reductions: docs/design.md),
+        so that its error grows with the number of
         chunks; past ``group_size`` chunks the sum of each group of chunks is added to an fp32 sum
         instead (``weight_sum``, V x H x 4 bytes whatever N), and the 16-bit tensor restarts from
         the next chunk's product. The error is then that of at most ``group_size`` chunks, for any
@@ -403,7 +403,7 @@ def _rare_target_rows(backend, targets: torch.Tensor, vocab_size: int, ignore_in
     where it is of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
     elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
     once, in fp32, at the end; a frequent target's entries nearly cancel the column's other terms
-    and stay in each chunk's product (perf notes, runs 52-53). ``rare_target`` -1: None, every
+    and stay in each chunk's product (docs/design.md). ``rare_target`` -1: None, every
     entry stays in (no counts, no target terms: the rule's cost, measured)."""
     rare = settings().rare_target
     if rare < 0:
@@ -671,7 +671,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
                                            rows=None if row_order is None else row_order.order)
     # Without the factored gradient, every row's target logit in one launch before the chunks,
     # where the backend's statistics sweeps leave it to a product: a launch a chunk fills as few
-    # programs and takes as long (perf notes, run 55).
+    # programs and takes as long (docs/design.md).
     # A forward without gradients takes its sums against the factored sweep's row references.
     if (match_training and not training and shard is None and n_rows > 0
             and backend.factored_gradient(hidden.dtype, opts, bias is not None)):

@@ -464,7 +464,7 @@ def _logit_tile_kernel(
                 # and modes 0 and 1 without PICK_TARGET, take _picked_logit_dot_kernel's, a
                 # tensor-core product summed in the same order: the same loss, where picking
                 # here costs a compare, a select and an add a logit (1.6-4.5% of a forward,
-                # perf notes, runs 29-30 and 36).
+                # docs/design.md).
                 is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
                 target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
                 tile_start = pid_v * BLOCK_V

@@ -257,7 +257,7 @@ L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows o
 def _group_rows(hidden: torch.Tensor) -> int:
     """Rows of a tile group of the logit kernel (``group_rows``, exploration): 4096, the
     forward's chunk, or fewer where their hidden rows pass L2_HIDDEN_BYTES, in whole 128-row
-    blocks. On the H200 (perf notes, run 41) one launch over 8192 rows in one group took 3-6%
+    blocks. On the H200 (docs/design.md) one launch over 8192 rows in one group took 3-6%
     more time than in groups of 4096 (the hidden rows fall out of L2), and a group of Gemma-2's
     7405 rows (34 MB) as much. Training chunks are one group; the forward's chunks under
     vocabulary parallelism (4096 rows a rank) and of fp32 inputs are several."""
@@ -396,7 +396,7 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
 def _gluon_training() -> bool:
     """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
     (``gluon_training``, default True: a step 1-2% faster at the power cap on large vocabularies,
-    perf notes run 59; ``gluon`` False turns off both sweeps)."""
+    docs/design.md; ``gluon`` False turns off both sweeps)."""
     return settings().gluon_training
 
 
@@ -533,7 +533,7 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     target_grad = torch.empty_like(row_factor)
     # Two rows a program and 1024 columns a step: the hidden rows' scaling is bound by memory, and
     # the more programs the more loads in flight (8 rows and 256 columns: 0.088 ms a Llama-2
-    # step on the H200, 0.045 so; perf notes, run 56).
+    # step on the H200, 0.045 so; docs/design.md).
     block_r = 2
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets,
@@ -631,7 +631,7 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     # Each program reads all N targets: blocks grow with N to keep the programs at 64 or fewer
     # (up to 262144 rows; a few when interpreting), to 4096 rows at 8 warps (8192 at 16 spill
     # on sm_90 in Triton 3.9). At N = 8192, eight programs take 0.005 ms on the H200, one
-    # walking the blocks in turn took 0.020 (perf notes, run 56).
+    # walking the blocks in turn took 0.020 (docs/design.md).
     parts = 4 if interpreting() else 64
     block = min(4096, max(64 if interpreting() else 1024, triton.next_power_of_2(triton.cdiv(n_rows, parts))))
     K._order_rows_kernel[(max(1, triton.cdiv(n_rows, block)),)](
@@ -650,7 +650,7 @@ def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
-    every logit (1.6-4.5% of a forward, perf notes, run 36). Not for fp64 inputs (the product
+    every logit (1.6-4.5% of a forward, docs/design.md). Not for fp64 inputs (the product
     sums in fp32), nor without ``tile_target``."""
     return hidden.dtype != torch.float64 and _tensor_core_target()
 
@@ -672,7 +672,7 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, HAS_ROWS=rows is not None,
         # six stages of 16 KiB: a 64-row program a multiprocessor is bound by the loads in flight
-        # (three stages: 0.041 ms a Llama-2 step on the H200, six 0.031; perf notes, run 56)
+        # (three stages: 0.041 ms a Llama-2 step on the H200, six 0.031; docs/design.md)
         num_warps=4, num_stages=6,
     )
     return out, target_logit
@@ -685,7 +685,7 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     (``_target_logit_by_product``) and ``pick_once`` is on; with ``rows`` row i is hidden[rows[i]].
     A launch of 64-row programs takes about as long for any rows up to a round of them, so one
     launch instead of one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3
-    one on the H200 (perf notes, run 55)."""
+    one on the H200 (docs/design.md)."""
     if not settings().pick_once or not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
@@ -696,7 +696,7 @@ def reference_in_place() -> bool:
     loop takes every row's reference in one launch before its first chunk (with the tensor-core
     target logit; without ``pick_once``: one launch a chunk). A chunk of 1536 rows gave the product
     24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five launches, 0.042 in one
-    (perf notes, run 40)."""
+    (docs/design.md)."""
     return settings().pick_once and _tensor_core_target()
 
 
@@ -750,8 +750,7 @@ def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_r
 def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
     """dst[rows] = 0 in place: dst [*, C] with unit column stride, rows int64 [n]. Vector stores,
     where ``index_fill_``'s elementwise kernel stores 2 bytes at a time (Llama-2's ignored rows:
-    0.0027 ms, against most of the 0.015 ms of the step's index kernels before; perf notes,
-    run 57)."""
+    0.0027 ms, against most of the 0.015 ms of the step's index kernels before; docs/design.md)."""
     n_rows, n_cols = rows.shape[0], dst.shape[1]
     if n_rows == 0:
         return
