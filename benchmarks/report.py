@@ -521,6 +521,65 @@ def readme_table(latest):
     return "\n".join(lines)
 
 
+TRL_MARK = "<!-- TRL-TABLE -->"
+# bench.py's methods for TRL's fused LM head (trl-*: TRL 1.16's own kernel; flce-*: this kernel's, as
+# flce.trl.use_in_trl() installs it) and this kernel's loss with its metrics, in trl-h200-*.json runs.
+TRL_HEADS = ["gemma2", "llama3", "qwen25"]
+TRL_TARGETS = {"sft": 0.72, "grpo": 0.8, "metrics": 0.03}
+
+
+def trl_runs():
+    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("trl-h200-*.json"))]
+
+
+def trl_section(runs) -> str:
+    """The latest TRL run, one row a head and share of ignored rows: the loss alone and with its
+    metrics (their cost, target <= 3%), SFT's outputs and GRPO's (log-probs and entropy with
+    gradients, temperature 0.7) through TRL's head with this kernel against TRL's own (step time
+    ratio, targets 0.72 and 0.8), and SFT's peak memory (target <= 0.5)."""
+    if not runs:
+        return "No TRL run recorded."
+    name, data = max(runs, key=lambda item: item[1]["environment"]["date"])
+    found = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
+    lines = [f"One H200, bf16, LM-like inputs, N = 8192 tokens, step ms (forward + backward) and peak MiB "
+             f"(gradients included), all in one run (`{name}`, {data['environment']['date'][:10]}). TRL's head "
+             f"gathers the rows with a label before its kernel, as `add_fused_lm_head` does; \"ours\" is "
+             f"`flce.trl.use_in_trl()`'s kernel in that head.", "",
+             "| head, ignored | loss | loss + metrics (cost) | SFT's outputs: ours / TRL | ratio | memory ratio "
+             "| GRPO's outputs: ours / TRL | ratio |", "|---|---|---|---|---|---|---|---|"]
+    rows = [row for row in [*TRL_HEADS, *(f"{h}-masked" for h in TRL_HEADS)] if (row, "fused-linear-ce") in found]
+    for row in rows:
+        def get(method, row=row):
+            return found.get((row, method))
+
+        loss, metrics = get("fused-linear-ce"), get("fused-linear-ce-metrics")
+        ignored = "50%" if row.endswith("-masked") else "10%"
+        cells = [f"{row.split('-')[0]}, {ignored}", f"{loss['step_ms']:.1f}"]
+        if metrics:
+            cost = metrics["step_ms"] / loss["step_ms"] - 1
+            cells.append(f"{metrics['step_ms']:.1f} ({cost:+.1%}){'' if cost <= TRL_TARGETS['metrics'] else ' ✗'}")
+        else:
+            cells.append("—")
+        for trainer in ("sft", "grpo"):
+            ours, theirs = get(f"flce-{trainer}"), get(f"trl-{trainer}")
+            if ours and theirs:
+                ratio = ours["step_ms"] / theirs["step_ms"]
+                mark = "" if ratio <= TRL_TARGETS[trainer] else " ✗"
+                cells += [f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f}", f"{ratio:.3f}{mark}"]
+                if trainer == "sft":
+                    memory = ours["step_peak_mib"] / theirs["step_peak_mib"]
+                    cells.append(f"{ours['step_peak_mib']:.0f} / {theirs['step_peak_mib']:.0f} = {memory:.2f}"
+                                 f"{'' if memory <= 0.5 else ' ✗'}")
+            else:
+                cells += ["—", "—"] + (["—"] if trainer == "sft" else [])
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "✗: over the target (SFT's step at most 0.72× TRL's time and 0.5× its memory, GRPO's at most "
+              "0.8×, metrics at most 3% of the loss's step). GRPO's per-token gradients are known only in the "
+              "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
+              "SFT's 6 (docs/design.md)."]
+    return "\n".join(lines)
+
+
 def cpu_runs():
     return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("cpu-*.json"))]
 
@@ -697,6 +756,9 @@ def main():
                   f"(target ≤ {STEP_TARGET}). Each run is one machine at its power cap; the kernel changed between "
                   "versions (docs/design.md gives the decisions and their measurements).", "",
                   step_ratio_section(ratio_runs)]
+    trl = trl_runs()
+    if trl:
+        parts += ["", "## TRL's fused LM head: SFT's and GRPO's outputs, and the metrics' cost", "", trl_section(trl)]
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
@@ -712,6 +774,7 @@ def main():
     readme = replace_between(readme, README_MARK, readme_table(latest))
     readme = replace_between(readme, SUMMARY_MARK, summary(latest))
     readme = replace_between(readme, REQUIREMENTS_MARK, requirements(cpu))
+    readme = replace_between(readme, TRL_MARK, trl_section(trl))
     if args.check:
         stale = [name for name, text in (("BENCHMARKS.md", benchmarks_md), ("README.md", readme))
                  if (ROOT / name).read_text() != text]
