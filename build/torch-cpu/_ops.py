@@ -436,14 +436,27 @@ def _token_setup_context(ctx, inputs, output):
                           entropy if metrics else None, *saved_grads)
 
 
-def _uniform_weight(log_prob_grad: Tensor, valid: Tensor) -> Tensor | None:
-    """The common value c of ``log_prob_grad`` [N] on the rows with a target (0-d, on the device),
-    or None where it differs between them (one host sync)."""
+def _uniform_weight(log_prob_grad: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(c, is_uniform): the value of ``log_prob_grad`` [N] on the first row with a target (0-d,
+    on the device) and a host flag (pinned on CUDA, its copy queued) of whether every row with a
+    target has it; ``_read_flag`` waits for the flag alone."""
     first = torch.argmax(valid.to(torch.int8))  # 0 when no row has a target: then any value will do
     common = log_prob_grad[first]
-    if not bool(torch.where(valid, log_prob_grad == common, True).all()):
-        return None
-    return common
+    uniform = torch.where(valid, log_prob_grad == common, True).all()
+    if not uniform.is_cuda:
+        return common, (uniform, None)
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(uniform, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(uniform.device))
+    return common, (flag, ready)
+
+
+def _read_flag(check) -> bool:
+    flag, ready = check
+    if ready is not None:
+        ready.synchronize()
+    return bool(flag)
 
 
 def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
@@ -461,15 +474,21 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
             raise RuntimeError("fused_linear_log_probs computed its gradients in the forward and they were already "
                                "used: backward through it twice (retain_graph=True) is not supported.")
         ctx.consumed = True
-        common = _uniform_weight(log_prob_grad, valid) if entropy_grad is None and log_prob_grad is not None else None
-        _uniform_grads[ctx.key] = common is not None
-        if common is not None:  # the sweep's gradients are those of -sum log_probs: scale by -c
+        if entropy_grad is None and log_prob_grad is not None:
+            # The sweep's gradients are those of -sum log_probs: scaled by -c they are exact if every
+            # row's weight is c. The scaling is queued before the host reads the flag, so that the
+            # GPU has it to do meanwhile; where the weights differ, the scaled tensors are dropped.
+            common, check = _uniform_weight(log_prob_grad, valid)
             grads = []
             for g, w in zip(saved_grads, want, strict=True):
                 if w and g.numel():
                     scale_op(g, -common)
                 grads.append(g if w else None)
-            return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
+            _uniform_grads[ctx.key] = _read_flag(check)
+            if _uniform_grads[ctx.key]:
+                return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
+        else:
+            _uniform_grads[ctx.key] = False
     zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
     loss_grad = zero.expand_as(lse) if log_prob_grad is None else torch.where(valid, -log_prob_grad.to(lse.dtype), zero)
     row_entropy_grad, row_lse_grad = None, None
