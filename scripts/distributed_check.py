@@ -119,7 +119,8 @@ def main() -> None:
         # several chunks of rows on the training and the merge-once paths, as in the gloo test
         try:
             with settings.override(chunk_rows=4 if index >= 1 else 4096):
-                _check_case(flce, rank, world, dict(case), device=f"cuda:{local_rank}")
+                _check_case(flce, rank, world, {k: v for k, v in case.items() if k != "kernels"},
+                            device=f"cuda:{local_rank}")
             results.append({"case": case, "ok": True})
         except Exception:
             results.append({"case": case, "ok": False, "error": traceback.format_exc()[-800:]})

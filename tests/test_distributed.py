@@ -29,6 +29,8 @@ CASES = [
     dict(reduction="mean", class_weight=True, return_metrics=True, z_loss_scale=1e-3),
     dict(reduction="sum", class_weight=True, label_smoothing=0.2, bias=True, return_metrics=True),
     dict(reduction="mean", dtype="float64", bias=True, label_smoothing=0.1, return_metrics=True),
+    # the factored gradient (fp32, no bias, softcap or smoothing) of each slice, in the kernels
+    dict(reduction="mean", return_metrics=True, kernels=True),
 ]
 
 
@@ -51,12 +53,18 @@ def _worker(rank, world, store, error_file):
 
         flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
         for case_index in range(len(CASES)):
-            # The backend is chosen per call: one case through the Triton kernels.
-            os.environ["TRITON_INTERPRET"] = "1" if case_index == 0 else "0"
+            case = dict(CASES[case_index])
+            # The backend is chosen per call: two cases through the Triton kernels.
+            kernels = case.pop("kernels", False) or case_index == 0
+            os.environ["TRITON_INTERPRET"] = "1" if kernels else "0"
             # several chunks of rows (4 x world each): per-chunk all-reduces pair up across ranks
             # (training, case 1), or the chunks' statistics merge once (no gradient sweep, case 2)
             with submodule(flce, "_settings").override(chunk_rows=4 if case_index >= 1 else 4096):
-                _check_case(flce, rank, world, dict(CASES[case_index]))
+                if kernels and case_index > 0:  # the factored path is what this case is for
+                    triton_backend = submodule(flce, "_triton_backend")
+                    assert triton_backend.factored_gradient(torch.float32, submodule(flce, "_options").LossOptions(),
+                                                            False)
+                _check_case(flce, rank, world, case)
         os.environ["TRITON_INTERPRET"] = "0"
         _check_metrics_bit_identity(flce, rank, world)
         _check_data_parallel(flce, rank, world)
