@@ -1,6 +1,7 @@
 """Benchmark of the CPU path: fused-linear-ce's chunked PyTorch path against PyTorch eager.
 
-One float32 training step (forward + backward, gradients for hidden and weight) of the
+One training step (float32, or bf16 with ``--dtype bfloat16``; forward + backward, gradients for
+hidden and weight) of the
 cross-entropy of ``hidden @ weight.T`` at each N. Time: the median wall and process CPU times
 of a few steps of each method, after a warm-up step each, the methods interleaved in one
 process so that a busy machine slows them alike. Memory: one step of each method in its own
@@ -46,12 +47,13 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _inputs(n_tokens: int, hidden_size: int, vocab_size: int, seed: int):
+def _inputs(n_tokens: int, hidden_size: int, vocab_size: int, seed: int, dtype: str = "float32"):
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n_tokens, hidden_size, generator=gen).requires_grad_()
-    weight = (torch.randn(vocab_size, hidden_size, generator=gen) * hidden_size**-0.5).requires_grad_()
+    hidden = torch.randn(n_tokens, hidden_size, generator=gen).to(getattr(torch, dtype)).requires_grad_()
+    weight = (torch.randn(vocab_size, hidden_size, generator=gen) * hidden_size**-0.5).to(getattr(torch, dtype))
+    weight.requires_grad_()
     targets = torch.randint(0, vocab_size, (n_tokens,), generator=gen)
     targets[torch.rand(n_tokens, generator=gen) < IGNORE_FRACTION] = -100
     return hidden, weight, targets
@@ -65,7 +67,7 @@ def _step_fn(method: str):
         from fused_linear_ce import fused_linear_cross_entropy as loss_fn
     else:
         def loss_fn(hidden, weight, targets):
-            return F.cross_entropy(hidden @ weight.T, targets)
+            return F.cross_entropy((hidden @ weight.T).float(), targets)
 
     def step(hidden, weight, targets):
         hidden.grad = weight.grad = None
@@ -76,9 +78,9 @@ def _step_fn(method: str):
     return step
 
 
-def run_memory(method: str, n_tokens: int, hidden_size: int, vocab_size: int, seed: int) -> dict:
+def run_memory(method: str, n_tokens: int, hidden_size: int, vocab_size: int, seed: int, dtype: str) -> dict:
     """Peak resident memory of one training step of ``method``, in this process."""
-    hidden, weight, targets = _inputs(n_tokens, hidden_size, vocab_size, seed)
+    hidden, weight, targets = _inputs(n_tokens, hidden_size, vocab_size, seed, dtype)
     step = _step_fn(method)
     # A step on a few rows first: what the libraries set up once per process is not counted.
     step(hidden[:16].detach().requires_grad_(), weight, targets[:16])
@@ -87,18 +89,19 @@ def run_memory(method: str, n_tokens: int, hidden_size: int, vocab_size: int, se
     _reset_peak_rss()
     loss = step(hidden, weight, targets)
     peak_kib = _status_kib("VmHWM")
-    grads_mib = (hidden.numel() + weight.numel()) * 4 / 2**20
+    grads_mib = (hidden.numel() + weight.numel()) * hidden.element_size() / 2**20
     return {"base_rss_mib": base_kib / 1024, "peak_rss_mib": peak_kib / 1024,
             "peak_extra_mib": (peak_kib - base_kib) / 1024,
             "peak_extra_minus_grads_mib": (peak_kib - base_kib) / 1024 - grads_mib, "loss": float(loss)}
 
 
-def run_times(methods: list[str], n_tokens: int, hidden_size: int, vocab_size: int, reps: int, seed: int) -> dict:
+def run_times(methods: list[str], n_tokens: int, hidden_size: int, vocab_size: int, reps: int, seed: int,
+              dtype: str) -> dict:
     """Wall and process CPU times of training steps, the methods interleaved (ABBA...) in this
     process after a warm-up step each, so that a busy machine slows them alike."""
     import torch
 
-    hidden, weight, targets = _inputs(n_tokens, hidden_size, vocab_size, seed)
+    hidden, weight, targets = _inputs(n_tokens, hidden_size, vocab_size, seed, dtype)
     steps = {m: _step_fn(m) for m in methods}
     for step in steps.values():
         step(hidden, weight, targets)
@@ -162,13 +165,14 @@ def main():
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--reps", type=int, default=5, help="timed steps of each method after a warm-up step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--sources", type=Path, default=ROOT / "torch-ext", help="folder holding fused_linear_ce/")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print only)")
     p.add_argument("--note", default=None, help="a note recorded with the results (e.g. which sources)")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one subprocess's part (see below)
     args = p.parse_args()
 
-    sizes = dict(hidden_size=args.hidden, vocab_size=args.vocab, seed=args.seed)
+    sizes = dict(hidden_size=args.hidden, vocab_size=args.vocab, seed=args.seed, dtype=args.dtype)
     methods = args.methods.split(",")
     if args.case:  # in a subprocess: "memory,<method>,<n>" or "time,<n>"; prints its JSON
         kind, *rest = args.case.split(",")
@@ -184,7 +188,7 @@ def main():
 
     def in_subprocess(case):
         cmd = [sys.executable, __file__, "--case", case, "--methods", args.methods, "--hidden", str(args.hidden),
-               "--vocab", str(args.vocab), "--reps", str(args.reps), "--seed", str(args.seed)]
+               "--vocab", str(args.vocab), "--reps", str(args.reps), "--seed", str(args.seed), "--dtype", args.dtype]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError((proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
@@ -193,7 +197,7 @@ def main():
     results = []
     for n in (int(x) for x in args.n.split(",")):
         rows = {m: {"method": m, "n_tokens": n, "hidden_size": args.hidden, "vocab_size": args.vocab,
-                    "dtype": "float32", "logits_mib": n * args.vocab * 4 / 2**20} for m in methods}
+                    "dtype": args.dtype, "logits_mib": n * args.vocab * 4 / 2**20} for m in methods}
         try:
             load_before = os.getloadavg()[0]
             for m, timing in in_subprocess(f"time,{n}").items():

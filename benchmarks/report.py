@@ -647,7 +647,10 @@ def requirements(cpu):
         "| what runs | | the Triton kernels: bf16, fp16, fp32 | the same algorithm in PyTorch (each chunk's fp32 "
         "logits), or the Triton kernels in Triton's interpreter under `TRITON_INTERPRET=1` (slow: for tests) |",
     ]
-    if cpu:
+    fp32_runs = [run for run in cpu if all(r.get("dtype", "float32") == "float32" for r in run[1]["results"])]
+    bf16_runs = [run for run in cpu if any(r.get("dtype") == "bfloat16" for r in run[1]["results"])]
+    if fp32_runs:
+        cpu = fp32_runs
         results = {(r["method"], r["n_tokens"]): r for r in cpu[-1][1]["results"] if "error" not in r}
         cases = sorted({n for (m, n) in results if m == OURS and ("torch", n) in results})
         if cases:
@@ -667,6 +670,16 @@ def requirements(cpu):
                       + " MiB of extra memory against eager's "
                       + listing(lambda n: f"{results[('torch', n)]['peak_extra_minus_grads_mib']:.0f}")
                       + " MiB (peak resident memory less the gradients; BENCHMARKS.md, \"CPU\")."]
+    if bf16_runs:
+        name, data = bf16_runs[-1]
+        found = {(r["method"], r["n_tokens"]): r for r in data["results"] if "error" not in r}
+        pairs = sorted(n for (m, n) in found if m == OURS and ("torch", n) in found)
+        if pairs:
+            r = found[(OURS, pairs[0])]
+            lines.append(f"bf16 inputs there (`{name}`, H = {r['hidden_size']}, V = {r['vocab_size']}): "
+                         + " and ".join(f"{found[(OURS, n)]['step_ms'] / 1e3:.2f} s against eager's "
+                                        f"{found[('torch', n)]['step_ms'] / 1e3:.2f} s at N = {n}" for n in pairs)
+                         + ".")
     return "\n".join(lines)
 
 
