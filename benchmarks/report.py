@@ -533,50 +533,56 @@ def trl_runs():
 
 
 def trl_section(runs) -> str:
-    """The latest TRL run, one row a head and share of ignored rows: the loss alone and with its
-    metrics (their cost, target <= 3%), SFT's outputs and GRPO's (log-probs and entropy with
-    gradients, temperature 0.7) through TRL's head with this kernel against TRL's own (step time
-    ratio, targets 0.72 and 0.8), and SFT's peak memory (target <= 0.5)."""
+    """One row a head and share of ignored rows: the loss alone and with its metrics (their cost,
+    target <= 3%), SFT's outputs and GRPO's (log-probs and entropy with gradients, temperature 0.7)
+    through TRL's head with this kernel against TRL's own (step time ratio, targets 0.72 and 0.8),
+    and SFT's peak memory (target <= 0.5). Each pair of numbers comes from one run: the newest that
+    measured both on that row."""
     if not runs:
         return "No TRL run recorded."
-    name, data = max(runs, key=lambda item: item[1]["environment"]["date"])
-    found = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
-    lines = [f"One H200, bf16, LM-like inputs, N = 8192 tokens, step ms (forward + backward) and peak MiB "
-             f"(gradients included), all in one run (`{name}`, {data['environment']['date'][:10]}). TRL's head "
-             f"gathers the rows with a label before its kernel, as `add_fused_lm_head` does; \"ours\" is "
-             f"`flce.trl.use_in_trl()`'s kernel in that head.", "",
+    runs = sorted(runs, key=lambda item: item[1]["environment"]["date"])
+    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}) for name, data in runs]
+    used = set()
+
+    def pair(row, first, second):
+        for name, results in reversed(found):
+            if (row, first) in results and (row, second) in results:
+                used.add(name)
+                return results[(row, first)], results[(row, second)]
+        return None, None
+
+    lines = ["One H200, bf16, LM-like inputs, N = 8192 tokens, step ms (forward + backward) and peak MiB "
+             "(gradients included). TRL's head gathers the rows with a label before its kernel, as "
+             "`add_fused_lm_head` does; \"ours\" is `flce.trl.use_in_trl()`'s kernel in that head. Each pair of "
+             "numbers is from one run.", "",
              "| head, ignored | loss | loss + metrics (cost) | SFT's outputs: ours / TRL | ratio | memory ratio "
              "| GRPO's outputs: ours / TRL | ratio |", "|---|---|---|---|---|---|---|---|"]
-    rows = [row for row in [*TRL_HEADS, *(f"{h}-masked" for h in TRL_HEADS)] if (row, "fused-linear-ce") in found]
+    rows = [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]
     for row in rows:
-        def get(method, row=row):
-            return found.get((row, method))
-
-        loss, metrics = get("fused-linear-ce"), get("fused-linear-ce-metrics")
+        loss, metrics = pair(row, "fused-linear-ce", "fused-linear-ce-metrics")
+        if loss is None:
+            continue
         ignored = "50%" if row.endswith("-masked") else "10%"
-        cells = [f"{row.split('-')[0]}, {ignored}", f"{loss['step_ms']:.1f}"]
-        if metrics:
-            cost = metrics["step_ms"] / loss["step_ms"] - 1
-            cells.append(f"{metrics['step_ms']:.1f} ({cost:+.1%}){'' if cost <= TRL_TARGETS['metrics'] else ' ✗'}")
-        else:
-            cells.append("—")
+        cost = metrics["step_ms"] / loss["step_ms"] - 1
+        cells = [f"{row.split('-')[0]}, {ignored}", f"{loss['step_ms']:.1f}",
+                 f"{metrics['step_ms']:.1f} ({cost:+.1%}){'' if cost <= TRL_TARGETS['metrics'] else ' ✗'}"]
         for trainer in ("sft", "grpo"):
-            ours, theirs = get(f"flce-{trainer}"), get(f"trl-{trainer}")
-            if ours and theirs:
-                ratio = ours["step_ms"] / theirs["step_ms"]
-                mark = "" if ratio <= TRL_TARGETS[trainer] else " ✗"
-                cells += [f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f}", f"{ratio:.3f}{mark}"]
-                if trainer == "sft":
-                    memory = ours["step_peak_mib"] / theirs["step_peak_mib"]
-                    cells.append(f"{ours['step_peak_mib']:.0f} / {theirs['step_peak_mib']:.0f} = {memory:.2f}"
-                                 f"{'' if memory <= 0.5 else ' ✗'}")
-            else:
+            ours, theirs = pair(row, f"flce-{trainer}", f"trl-{trainer}")
+            if ours is None:
                 cells += ["—", "—"] + (["—"] if trainer == "sft" else [])
+                continue
+            ratio = ours["step_ms"] / theirs["step_ms"]
+            cells += [f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f}",
+                      f"{ratio:.3f}{'' if ratio <= TRL_TARGETS[trainer] else ' ✗'}"]
+            if trainer == "sft":
+                memory = ours["step_peak_mib"] / theirs["step_peak_mib"]
+                cells.append(f"{ours['step_peak_mib']:.0f} / {theirs['step_peak_mib']:.0f} = {memory:.2f}"
+                             f"{'' if memory <= 0.5 else ' ✗'}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "✗: over the target (SFT's step at most 0.72× TRL's time and 0.5× its memory, GRPO's at most "
               "0.8×, metrics at most 3% of the loss's step). GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
-              "SFT's 6 (docs/design.md)."]
+              "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
     return "\n".join(lines)
 
 
