@@ -532,6 +532,25 @@ def trl_runs():
     return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("trl-h200-*.json"))]
 
 
+def trl_step_sentence() -> str:
+    """The SFTTrainer step of ``scripts/trl_gpu.py`` (a 2-layer Llama-3-shaped model) with TRL's head
+    and with this kernel's, from the newest ``trl-gpu-*.json``; empty where none is recorded."""
+    paths = sorted(RESULTS.glob("trl-gpu-*.json"))
+    runs = [(p.name, json.loads(p.read_text())) for p in paths]
+    runs = [(name, data) for name, data in runs if "sft_step" in data and data.get("gpu") != "cpu-smoke"]
+    if not runs:
+        return ""
+    name, data = max(runs, key=lambda item: item[1]["date"])
+    step = data["sft_step"]
+    model = step["model"]
+    return (f"A user's step: one SFTTrainer step on a {model['num_hidden_layers']}-layer Llama-3-shaped model "
+            f"(V = {model['vocab_size']}, H = {model['hidden_size']}, bf16, {step['batch']} × {step['seq_len']} "
+            f"tokens, {step['ignored_label_fraction']:.0%} of the labels -100; `{name}`) takes "
+            f"{step['flce']['ms']:.1f} ms and {step['flce']['peak_mib']:.0f} MiB with this kernel under "
+            f"`use_in_trl()`, against {step['trl']['ms']:.1f} ms and {step['trl']['peak_mib']:.0f} MiB with TRL's "
+            f"own head: {step['ratio_ms']:.3f}× the time (target ≤ 0.9), {step['ratio_mib']:.2f}× the memory.")
+
+
 def trl_section(runs) -> str:
     """One row a head and share of ignored rows: the loss alone and with its metrics (their cost,
     target <= 3%), SFT's outputs and GRPO's (log-probs and entropy with gradients, temperature 0.7)
@@ -583,7 +602,8 @@ def trl_section(runs) -> str:
               "0.8×, metrics at most 3% of the loss's step). GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
-    return "\n".join(lines)
+    step = trl_step_sentence()
+    return "\n".join(lines + (["", step] if step else []))
 
 
 def cpu_runs():
