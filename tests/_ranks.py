@@ -111,13 +111,14 @@ def disagreeing_ranks(rank: int, store: str, results: str) -> None:
                             timeout=timedelta(seconds=20))
     hidden, weight, targets = disagreement_inputs()
     outcomes = {}
+    settings = sys.modules[f"{flce.__name__}._settings"]
     for name, arguments_of in [*DISAGREEMENTS.items(), (UNCHECKED, DISAGREEMENTS["agreeing ranks"])]:
-        os.environ["FLCE_CHECK_TARGETS"] = "0" if name == UNCHECKED else "1"
         agreeing = dict(hidden=hidden.clone().requires_grad_(),
                         weight=weight[rank * HALF:(rank + 1) * HALF].clone().requires_grad_(),
                         targets=targets, process_group=dist.group.WORLD)
         try:
-            out = flce.fused_linear_cross_entropy(**arguments_of(rank, agreeing))
+            with settings.override(check_targets=name != UNCHECKED):
+                out = flce.fused_linear_cross_entropy(**arguments_of(rank, agreeing))
             outcomes[name] = ["returned", (out[0] if isinstance(out, tuple) else out).sum().item()]
         except Exception as error:  # noqa: BLE001 (recorded, compared across the ranks by the test)
             outcomes[name] = ["raised", type(error).__name__, str(error)]

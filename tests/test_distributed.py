@@ -293,15 +293,14 @@ RAISES = {
 
 @pytest.fixture(scope="module")
 def disagreement_outcomes(flce, tmp_path_factory):
-    """Each rank's outcome of every case of _ranks.DISAGREEMENTS: two forked gloo ranks, given at
-    most 300 s in all on a loaded machine (a hang would take the collectives' 20 s timeout per case)."""
+    """Each rank's outcome of every case of _ranks.DISAGREEMENTS: two spawned gloo ranks, given at
+    most 300 s in all on a loaded machine (a hang would take the collectives' 20 s timeout per case).
+    Spawned, not forked: a rank forked from a pytest process whose earlier tests started thread
+    pools (OpenMP, torch.compile's workers) can hang in its first parallel region."""
     path = tmp_path_factory.mktemp("disagreements")
     results = str(path / "outcomes")
-    import torch._dynamo  # noqa: F401 (the first call of the loss's operators imports it: seconds, once here)
-
-    # fork: the ranks start in a fraction of a second, with the kernel already imported
     ranks = mp.start_processes(disagreeing_ranks, args=(str(path / "store"), results), nprocs=2, join=False,
-                               start_method="fork")
+                               start_method="spawn")
     deadline, failure = time.monotonic() + 300, None
     try:
         while not ranks.join(timeout=1):
