@@ -90,11 +90,21 @@ def _grads(loss_fn, tensors):
     return [t.grad.detach().clone() for t in tensors]
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """The Triton kernels (the GPU, or the interpreter on a CPU), or the PyTorch path of CPU tensors."""
+    if request.param == "torch":
+        if DEVICE != "cpu":
+            pytest.skip("the PyTorch path is the CPU's (CUDA tensors take the kernels)")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call: CPU tensors take the torch path
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_gradients_of_any_token_weights(flce, dtype, softcap):
+def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
     """log_probs and entropy with random per-token upstream gradients (GRPO's advantages and
-    entropy bonus): the recomputing backward, against float64 autograd."""
+    entropy bonus): the recomputing backward, against float64 autograd, on both paths."""
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=4, ignore=0.2)
     gen = torch.Generator().manual_seed(5)
     log_prob_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(DEVICE)

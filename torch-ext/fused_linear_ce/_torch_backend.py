@@ -183,8 +183,9 @@ def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: 
         prob_coef = prob_coef + lse_grad
     if probs_scale is not None:
         prob_coef = prob_coef * probs_scale
-    if entropy_grad is not None:
-        probs.mul_(log_probs.mul_(-entropy_grad[:, None]).add_(prob_coef[:, None]).mul_(scale))
+    if entropy_grad is not None:  # p_j (c - e log p_j), with ``probs`` p_j / probs_scale
+        entropy_coef = entropy_grad if probs_scale is None else entropy_grad * probs_scale
+        probs.mul_(log_probs.mul_(-entropy_coef[:, None]).add_(prob_coef[:, None]).mul_(scale))
     else:
         probs.mul_((prob_coef * scale)[:, None])
     in_range = (targets >= 0) & (targets < vocab_size)
