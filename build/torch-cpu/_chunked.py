@@ -663,23 +663,21 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
         return out
 
+    # The chunks' sums are taken against each row's reference where the step is factored, and
+    # where a forward without gradients must match such a step (``match_training``).
+    referenced = factored or (match_training and not training and n_rows > 0
+                              and backend.factored_gradient(hidden.dtype, opts, bias is not None))
     # Every row's reference and target logit in one launch, the rows read in place (the order's
     # ignored rows at its end too: they are not known yet), where the backend does so.
     references = None
-    if factored and shard is None and backend.reference_in_place():
+    if referenced and shard is None and backend.reference_in_place():
         references = backend.row_reference(hidden, weight, slice_targets, opts,
                                            rows=None if row_order is None else row_order.order)
-    # Without the factored gradient, every row's target logit in one launch before the chunks,
-    # where the backend's statistics sweeps leave it to a product: a launch a chunk fills as few
-    # programs and takes as long (docs/design.md).
-    # A forward without gradients takes its sums against the factored sweep's row references.
-    if (match_training and not training and shard is None and n_rows > 0
-            and backend.factored_gradient(hidden.dtype, opts, bias is not None)):
-        references = backend.row_reference(hidden, weight, slice_targets, opts,
-                                           rows=None if row_order is None else row_order.order) \
-            if backend.reference_in_place() else ()  # () : one launch a chunk
+    # Otherwise every row's target logit in one launch before the chunks, where the backend's
+    # statistics sweeps leave it to a product: a launch a chunk fills as few programs and takes as
+    # long (docs/design.md).
     target_logits = None
-    if not factored and references is None and n_rows > 0:
+    if not referenced and n_rows > 0:
         target_logits = backend.step_target_logits(hidden, weight, slice_targets, opts, bias,
                                                    rows=None if row_order is None else row_order.order)
     computed = 0
@@ -710,10 +708,10 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, (target_grad, targets_c))
             continue
         # statistics of the chunk's sweep (and, training, what its gradient is made from)
-        if factored or references == ():
-            row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
-        elif references is not None:
+        if references is not None:
             row_ref, target_logit = (t[start:end] for t in references)
+        elif referenced:  # one launch a chunk
+            row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
         else:
             row_ref = None
             target_logit = None if target_logits is None else target_logits[start:end]
