@@ -414,7 +414,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
             "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
-ANATOMY_METHODS = ("fused-linear-ce", "torch.compile")
+ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft")
 
 
 def anatomy(fn, hidden, weight, targets) -> dict:
@@ -540,6 +540,9 @@ def main():
                     Path(args.out).write_text(json.dumps(result, indent=1))
             del hidden, weight, targets, ref
             torch.cuda.empty_cache()
+    # the logit kernel's configuration per launch key, as the autotuner chose them on this GPU
+    backend = sys.modules.get(flce.__name__ + "._triton_backend")
+    result["tuned_configs"] = [[repr(key[1:]), str(config)] for key, config in getattr(backend, "_chosen", {}).items()]
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
