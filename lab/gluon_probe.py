@@ -51,10 +51,8 @@ def triton_stats(backend, hidden, weight, targets, opts):
     num_tiles = triton.cdiv(weight.shape[0], block_v)
     tile_max = torch.empty((hidden.shape[0], num_tiles), device=hidden.device)
     tile_sum = torch.empty_like(tile_max)
-    dummy = backend._dummy(hidden.device)
-    backend._launch_logit_tiles(hidden, weight, None, targets, opts, mode=backend.K.MODE_STATS, block_v=block_v,
-                                out=None, tile_stats=(tile_max, tile_sum, dummy, dummy, dummy),
-                                target_logit=torch.empty(hidden.shape[0], device=hidden.device), pick_target=False)
+    pointers = (None, targets, tile_max, tile_sum, None, None, None, None, None, None, None, None, None)
+    backend._launch_tiles(backend.K._tile_stats_kernel, hidden, weight, None, pointers, (None, None), block_v)
     return tile_max, tile_sum
 
 

@@ -1,4 +1,5 @@
-"""Compiles the logit kernel for Hopper (sm_90) without a GPU: every mode, persistent, with the
+"""Compiles the logit kernels for Hopper (sm_90) without a GPU: the statistics sweep (modes 0, 1, 3) and the
+gradient (mode 2), persistent, with the
 copy engine (TMA), through Triton's own compiler, so that a kernel the interpreter runs but the
 GPU compiler refuses (an MLIR pass failure, a static assertion) shows up on any machine. With
 ``--row-kernels`` also the per-row kernels (merge, finalize, factors, the fused factored pass,
@@ -31,36 +32,60 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
 from fused_linear_ce import _kernels as K  # noqa: E402
 
-BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the autotuner's main configuration for bf16
+BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the tuned configuration for bf16 on sm_90
 POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32"}  # others: fp32, or bf16 for the inputs
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
 INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_hk", "stride_wv", "stride_wk",
             "stride_out_n")
 FLOATS = ("logit_scale", "softcap", "label_smoothing", "z_loss_scale", "inv_vocab_size")
+# The launches' flags, as this script's --flags name them, and the arguments each one makes present
+# (absent arguments are None, a constant); modes 0, 1 and 3 are the statistics kernel's (0: no
+# buffer, 1: z - tile max stored, 3: the factored sweep's exponentials), mode 2 the gradient kernel.
+STATS_FLAGS = {"HAS_BIAS": ("bias_ptr",), "HAS_SOFTCAP": ("softcap",), "HAS_LOGIT_SCALE": ("logit_scale",),
+               "RETURN_METRICS": ("tile_entropy_ptr", "tile_argmax_ptr"), "HAS_SMOOTHING": ("tile_logit_sum_ptr",),
+               "HAS_CLASS_WEIGHT": ("class_weight_ptr",), "SUM_SQ": ("tile_sum_sq_ptr",),
+               "PICK_TARGET": ("target_logit_ptr",), "ROW_REFERENCE": ("row_ref_ptr",)}
+GRAD_FLAGS = {"HAS_BIAS": ("bias_ptr",), "HAS_SOFTCAP": ("softcap",), "HAS_LOGIT_SCALE": ("logit_scale",),
+              "HAS_SMOOTHING": ("label_smoothing",), "HAS_Z_LOSS": ("z_loss_scale",),
+              "HAS_LSE_GRAD": ("lse_grad_ptr",), "HAS_ENTROPY_GRAD": ("entropy_grad_ptr",),
+              "HAS_CLASS_WEIGHT": ("class_weight_ptr", "smooth_grad_ptr")}
+ALWAYS = {"hidden_ptr", "weight_ptr", "targets_ptr", "tile_max_ptr", "tile_sum_exp_ptr", "lse_ptr", "loss_grad_ptr",
+          "inv_vocab_size", *INTEGERS}
 
 
 def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persistent: bool = True):
-    """The compiled logit kernel for sm_90 in ``mode`` with the constexpr ``flags``."""
-    store = use_tma and mode != int(K.MODE_STATS)
+    """The compiled logit kernel for sm_90 in ``mode`` (statistics: 0, 1, 3; gradient: 2) with the
+    ``flags`` (names of STATS_FLAGS / GRAD_FLAGS, default off but PICK_TARGET, and EVEN_V, EVEN_K)."""
+    kernel = K._tile_grad_kernel if mode == 2 else K._tile_stats_kernel
+    flag_args = GRAD_FLAGS if mode == 2 else STATS_FLAGS
+    flags = {"PICK_TARGET": mode in (0, 1), **flags}
+    present = set(ALWAYS)
+    for flag, on in flags.items():
+        if on and flag in flag_args:
+            present.update(flag_args[flag])
+    if mode != 0:
+        present.add("out_ptr")
+    if mode == 3:
+        present.update(("row_ref_ptr", "loss_grad_ptr"))
+    store = use_tma and "out_ptr" in present
     signature, constants = {}, {}
-    for name in inspect.signature(K._logit_tile_kernel.fn).parameters:
-        if name in INPUTS and use_tma and (name != "out_ptr" or store):
+    for name in inspect.signature(kernel.fn).parameters:
+        if name[0].isupper():
+            signature[name] = "constexpr"
+        elif name not in present:
+            signature[name], constants[name] = "constexpr", None
+        elif name in INPUTS and use_tma:
             signature[name] = f"tensordesc<bf16{INPUTS[name]}>"
         elif name.endswith("_ptr"):
             signature[name] = POINTERS.get(name, "*bf16" if name in INPUTS or name == "bias_ptr" else "*fp32")
         elif name in INTEGERS:
             signature[name] = "i32"
-        elif name in FLOATS:
-            signature[name] = "fp32"
         else:
-            signature[name] = "constexpr"
-    constants.update(MODE=mode, HAS_BIAS=False, HAS_SOFTCAP=False, HAS_SMOOTHING=False, HAS_Z_LOSS=False,
-                     HAS_LSE_GRAD=False, RETURN_METRICS=False, USE_TMA=use_tma, TMA_STORE=store, EVEN_K=True,
-                     INPUT_PRECISION="ieee", PERSISTENT=persistent, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
-                     BLOCK_K=BLOCK_K, HAS_CLASS_WEIGHT=False, ACC_DTYPE=tl.float32, HAS_LOGIT_SCALE=False,
-                     EVEN_V=True, PICK_TARGET=True)
-    constants.update(flags)
-    source = ASTSource(K._logit_tile_kernel, signature, constants)
+            signature[name] = "fp32"
+    constants.update(USE_TMA=use_tma, TMA_STORE=store, EVEN_K=flags.get("EVEN_K", True),
+                     EVEN_V=flags.get("EVEN_V", True), INPUT_PRECISION="ieee", PERSISTENT=persistent,
+                     BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, ACC_DTYPE=tl.float32)
+    source = ASTSource(kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
 
 

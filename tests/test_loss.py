@@ -724,20 +724,21 @@ def test_add_target_rows_reaches_entries_past_2_31(flce):
 
 @pytest.mark.parametrize("options", [dict(), dict(bias=True), dict(softcap=4.0)], ids=["plain", "bias", "softcap"])
 def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkeypatch, options):
-    """A statistics sweep does not pick the target logit in its tiles (PICK_TARGET off: a compare
+    """A statistics sweep does not pick the target logit in its tiles (no target_logit for it: a compare
     and a select a logit fewer) but takes it from the tensor-core product of ``_picked_logits``,
     with the tiles' bias, scale and softcap; ``tile_target`` off picks it in the tiles. The
     per-row losses of both are equal to fp32 rounding, and the reference's. Chunks of 8 rows with
     20% ignored: the target logits of every chunk land in their rows."""
     backend = submodule(flce, "_triton_backend")
     picks = []
-    launch = backend._launch_logit_tiles
+    launch = backend._launch_tiles
 
-    def recording_launch(*args, pick_target=True, **kwargs):
-        picks.append(pick_target)
-        return launch(*args, pick_target=pick_target, **kwargs)
+    def recording_launch(kernel, hidden, weight, out, pointers, *args):
+        if kernel is backend.K._tile_stats_kernel:  # its target_logit: None where it picks no target
+            picks.append(pointers[8] is not None)
+        return launch(kernel, hidden, weight, out, pointers, *args)
 
-    monkeypatch.setattr(backend, "_launch_logit_tiles", recording_launch)
+    monkeypatch.setattr(backend, "_launch_tiles", recording_launch)
     tune(chunk_rows=8)
     hidden, weight, targets, bias = make_inputs(37, H, V, torch.float32, seed=43, bias=options.get("bias", False),
                                                 ignore=0.2, scale=3.0)

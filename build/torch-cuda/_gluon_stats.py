@@ -1,6 +1,6 @@
 """The logit sweeps' tile statistics on Hopper in Gluon, Triton's lower-level dialect (docs/design.md, 59).
 
-The logit kernel (``_kernels._logit_tile_kernel``) computes 128 x 256 tiles with two warpgroups.
+The logit kernel (``_kernels._tile_stats_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
 accumulator, wgmma m64n256k16), and all three read one shared-memory ring that holds, for each
 K step, three 64-row blocks of hidden and one 256-row block of weight. A tile then reads
@@ -10,8 +10,8 @@ statistics 1-3% faster a flop than the logit kernel.
 
 Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
 logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
-(the logit kernel's mode 0 without the target pick) and (with ``gluon_training``) the
-factored training sweep (its mode 3: the sums relative to each row's reference, and the exponentials
+(the logit kernel's statistics without the target pick) and (with ``gluon_training``) the
+factored training sweep (its buffer of exponentials: the sums relative to each row's reference, and the exponentials
 stored to the chunk buffer by the copy engine, half a tile at a time through 48 KB of shared
 memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
 without this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit
@@ -120,7 +120,7 @@ def _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.conste
 def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which: gl.constexpr,
                    EVEN_V: gl.constexpr):
     """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - m), m the tile max;
-    in the training sweep (the logit kernel's mode 3, ``_stores_exp``), m is the row's reference
+    in the training sweep (the logit kernel's factored sweep, ``_stores_exp``), m is the row's reference
     unless the tile max passes it by more than REFERENCE_GAP (``_kernels._exp_reference``), and
     exp(z - m) goes to the chunk buffer (0 on rows without gradient). ``out``: what the epilogue
     writes and reads, (tile_max, tile_sum[, row_ref, loss_grad, the buffer's descriptor, the
@@ -256,13 +256,15 @@ def _group_2(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_bloc
            group_blocks, 2, EVEN_V)
 
 
-@gluon.jit
+# n_rows unspecialised: a step's chunks differ in it (and in its divisibility by 16), and each
+# specialisation would be compiled anew (3 s a compile on the H200's host).
+@gluon.jit(do_not_specialize=["n_rows"])
 def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, n_rows,
                       vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
     """Tile statistics [n_rows, ceil(V / 256)] fp32 of z = hidden [n_rows, H] @ weight [V, H].T:
     each (row, 256-column tile)'s max and sum of exp(z - m), persistent over 192 x 256 tiles
     taken in groups of ``group_blocks`` row blocks (the logit kernel's order). m is the tile max;
-    with STORE_EXP, as in the logit kernel's mode 3, the reference of row_ref [n_rows] (fp32),
+    with STORE_EXP, as in the logit kernel's factored sweep, the reference of row_ref [n_rows] (fp32),
     and exp(z - m) stored through ``buffer_desc`` (a [n_rows, V] buffer of the inputs' dtype, in
     64 x 128 blocks), zero on the rows whose loss_grad [n_rows] (fp32) is 0. Without STORE_EXP
     row_ref, loss_grad and the buffer are not read."""
@@ -328,7 +330,7 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
     contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
     persistent programs. With ``buffer`` [n_rows, V] (the inputs' dtype, rows the copy engine can
-    move), ``row_ref`` and ``loss_grad`` [n_rows] fp32, the logit kernel's mode 3 instead: the sums
+    move), ``row_ref`` and ``loss_grad`` [n_rows] fp32, the logit kernel's factored sweep instead: the sums
     are relative to each row's reference and exp(z - reference) goes to ``buffer``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]

@@ -37,12 +37,12 @@ lse = M + log s and the softmax entropy is log s + a / s (no cancellation: every
 The merge holds for any reference m_k in place of the tile max, as long as s_k and a_k are
 taken relative to it.
 
-Factored gradients (MODE_STATS_AND_EXP). Given a reference R_i per row, the tile sweep can
-store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without bias, softcap, smoothing or
-z-loss the gradient is then G = diag(r) E' + diag(c) T with r_i = s g_i exp(R_i - lse_i)
-(g_i = d out / d loss_i), T the one-hot targets, and either E' = E minus exp(lse_i - R_i) at
-the row's target and c_i = 0 (the target entry inside the products), or E' = E with 0 at the
-target and c_i = s g_i (p_it - 1) (the target entry outside them), so that
+Factored gradients (``_tile_stats_kernel`` with a buffer and row references). Given a reference
+R_i per row, the tile sweep can store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without
+bias, softcap, smoothing or z-loss the gradient is then G = diag(r) E' + diag(c) T with r_i = s
+g_i exp(R_i - lse_i) (g_i = d out / d loss_i), T the one-hot targets, and either E' = E minus
+exp(lse_i - R_i) at the row's target and c_i = 0 (the target entry inside the products), or E'
+= E with 0 at the target and c_i = s g_i (p_it - 1) (the target entry outside them), so that
 
     grad_hidden = diag(r) (E' @ W) + diag(c) W[t]
     grad_weight += E'^T @ (diag(r) H),  then grad_weight[t_i] += c_i h_i (once, at the end)
@@ -63,12 +63,6 @@ of their reference flush to zero, as exp does in fp32.
 
 import triton
 import triton.language as tl
-
-# Modes of the logit kernel (constexpr: the kernels compare against them; launches pass int(mode)).
-MODE_STATS = tl.constexpr(0)  # tile statistics only (loss, metrics)
-MODE_STATS_AND_SHIFTED = tl.constexpr(1)  # tile statistics, and z - tile_max stored to a bounded buffer
-MODE_GRAD_LOGITS = tl.constexpr(2)  # lse is known: store grad logits G directly
-MODE_STATS_AND_EXP = tl.constexpr(3)  # tile statistics, and exp(z - row reference) stored to a bounded buffer
 
 # Larger than any column index: the neutral element of the first-index argmax (a min over the
 # indices where the max is reached), and the value of a tile or row without one.
@@ -212,7 +206,8 @@ def _grad_logits(
     if HAS_SOFTCAP:
         capped = logits / softcap
         grad = grad * (1.0 - capped * capped)
-    grad = grad * logit_scale
+    if logit_scale is not None:
+        grad = grad * logit_scale
     # Rows with no gradient (ignored targets) stay exactly 0, even with non-finite logits.
     keep = loss_grad != 0.0
     if HAS_LSE_GRAD:
@@ -228,13 +223,12 @@ def _tile_logits(
     pid_n, pid_v, n_rows, vocab_size, hidden_size,
     stride_hn, stride_hk, stride_wv, stride_wk,
     logit_scale, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, USE_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACC_DTYPE: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr = True, EVEN_V: tl.constexpr = False,
+    USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """Final logits [BLOCK_N, BLOCK_V] (ACC_DTYPE) of one tile; -inf past the vocabulary.
-    EVEN_V (V a multiple of BLOCK_V) and HAS_LOGIT_SCALE=False (a scale of 1) leave out the
-    column mask and the multiply: two operations per logit fewer in the epilogue."""
+    ``bias_ptr``, ``logit_scale`` and ``softcap`` are None where absent (a scale of 1: no
+    multiply); EVEN_V (V a multiple of BLOCK_V) leaves out the column mask."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = offs_v < vocab_size
@@ -265,40 +259,66 @@ def _tile_logits(
             h_ptrs += BLOCK_K * stride_hk
             w_ptrs += BLOCK_K * stride_wk
     logits = acc
-    if HAS_BIAS:
+    if bias_ptr is not None:
         bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(ACC_DTYPE)
         logits = logits + bias[None, :]
-    if HAS_LOGIT_SCALE:
+    if logit_scale is not None:
         logits = logits * logit_scale
-    if HAS_SOFTCAP:
+    if softcap is not None:
         logits = softcap * _tanh(logits / softcap)
     if EVEN_V:
         return logits
     return tl.where(col_mask[None, :], logits, float("-inf"))
 
 
+@triton.jit
+def _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(row block, vocabulary tile) of a sweep's tile ``tile_id``. Tile ids go over the row blocks
+    of a group of ``group_rows`` rows fastest, then over the vocabulary, then over the groups:
+    the programs running together share one weight tile in L2 while the group's hidden rows
+    stay cached (a launch of more rows than L2 holds, ungrouped, re-reads them from memory)."""
+    num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    group_blocks = tl.cdiv(group_rows, BLOCK_N)
+    group = tile_id // (group_blocks * num_tiles)
+    first_block = group * group_blocks
+    blocks_in_group = tl.minimum(num_row_blocks - first_block, group_blocks)  # fewer in the last group
+    in_group = tile_id - first_block * num_tiles
+    return first_block + in_group % blocks_in_group, in_group // blocks_in_group
+
+
+@triton.jit
+def _store_tile(out_ptr, tile, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Stores one tile [BLOCK_N, BLOCK_V] to ``out`` [n_rows, V] in its dtype, clipped at the edges."""
+    if TMA_STORE:  # through shared memory by the copy engine
+        out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile.to(out_ptr.dtype))
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        out_mask = (offs_n < n_rows)[:, None] & (offs_v < vocab_size)[None, :]
+        out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_out_n + offs_v[None, :]
+        tl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["n_rows"])
-def _logit_tile_kernel(
-    # pointers (TMA descriptors for hidden and weight when USE_TMA, for out when TMA_STORE)
+def _tile_stats_kernel(
+    # pointers (TMA descriptors for hidden and weight when USE_TMA, for out when TMA_STORE); None where absent
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
-    bias_ptr,  # [V]                                   (HAS_BIAS)
+    bias_ptr,  # [V] or None
     targets_ptr,  # [n_rows] int
-    tile_max_ptr,  # [n_rows, num_tiles] fp32            (modes 0, 1)
-    tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32        (modes 0, 1)
-    tile_entropy_ptr,  # [n_rows, num_tiles] fp32        (RETURN_METRICS)
-    tile_argmax_ptr,  # [n_rows, num_tiles] int32        (RETURN_METRICS)
-    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32      (HAS_SMOOTHING: sum_j z_j)
-    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32         (SUM_SQ: sum_j exp(2 (z_j - m)))
-    target_logit_ptr,  # [n_rows] fp32, written by the tile that holds the target
-    out_ptr,  # [n_rows, V] shifted logits (mode 1) or grad logits (mode 2)
-    lse_ptr,  # [n_rows] fp32                              (mode 2)
-    loss_grad_ptr,  # [n_rows] fp32                        (mode 2)
-    lse_grad_ptr,  # [n_rows] fp32                         (mode 2, HAS_LSE_GRAD)
-    row_ref_ptr,  # [n_rows] fp32 reference B of each row  (mode 3, ROW_REFERENCE)
-    class_weight_ptr,  # [V] fp32 class weights             (HAS_CLASS_WEIGHT)
-    smooth_grad_ptr,  # [n_rows] fp32                      (mode 2, HAS_CLASS_WEIGHT)
-    entropy_grad_ptr,  # [n_rows] fp32 d out / d entropy_i (mode 2, HAS_ENTROPY_GRAD)
+    tile_max_ptr,  # [n_rows, num_tiles] fp32
+    tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32, or None: no metrics
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32, with tile_entropy_ptr
+    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32 sum_j z_j (w_j z_j with class weights), or None
+    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32 sum_j exp(2 (z_j - m)), or None
+    target_logit_ptr,  # [n_rows] fp32, written by the tile that holds the target; None: the caller's
+    out_ptr,  # [n_rows, V] buffer, or None: statistics only
+    row_ref_ptr,  # [n_rows] fp32 reference B of each row, or None: the tile max
+    loss_grad_ptr,  # [n_rows] fp32, with an exponentials' buffer: its rows without gradient stay 0
+    class_weight_ptr,  # [V] fp32 class weights of the logit sum, or None
     # sizes
     n_rows,
     vocab_size,
@@ -310,174 +330,208 @@ def _logit_tile_kernel(
     stride_wv,
     stride_wk,
     stride_out_n,
-    # scalars
+    # scalars (None: a scale of 1, no softcap)
+    logit_scale,
+    softcap,
+    # meta-parameters
+    USE_TMA: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
+    EVEN_V: tl.constexpr,  # V % BLOCK_V == 0: no partial vocabulary tile
+    INPUT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,  # of the logits and statistics (fp64 for fp64 inputs)
+):
+    """Per-(row, tile) softmax statistics of (BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles
+    of logits, reduced in registers, and optionally the tile itself.
+
+    A tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size, then
+    bias, scale and softcap. Each tile writes its max, its sum of exponentials, and where asked
+    the entropy term and first argmax (metrics), the logit sum and the sum of squared
+    exponentials (see the module docstring). With ``out``, it also stores ``z - tile_max``
+    (no ``row_ref``) or ``exp(z - reference)`` (with ``row_ref``: the factored gradient's
+    buffer, 0 on the rows whose ``loss_grad`` is 0). With ``row_ref`` the sums are taken
+    relative to the row's reference (``_exp_reference``); the tile that holds a row's target
+    writes its logit to ``target_logit`` unless that is None (the caller then takes it from
+    ``_picked_logit_dot_kernel``, as the factored sweep does). Without PERSISTENT a program
+    does one tile; with it, a fixed grid strides over the tiles in one flattened loop, so that
+    the loads of the next tile overlap the epilogue of the current one.
+    """
+    STORE_EXP: tl.constexpr = out_ptr is not None and row_ref_ptr is not None
+    tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
+    tl.static_assert(out_ptr is not None or not TMA_STORE, "no buffer to store")
+    tl.static_assert(not STORE_EXP or (bias_ptr is None and softcap is None and tile_logit_sum_ptr is None),
+                     "the factored gradient has one factor per row: no bias, softcap or smoothing")
+    tl.static_assert(not STORE_EXP or target_logit_ptr is None, "the factored sweep takes the caller's target logit")
+    tl.static_assert(tile_logit_sum_ptr is not None or class_weight_ptr is None, "class weights weight the logit sum")
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    num_all_tiles = tl.cdiv(n_rows, BLOCK_N) * num_tiles
+    for tile_id in tl.range(tl.program_id(0), num_all_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_n, pid_v = _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N, BLOCK_V)
+        logits = _tile_logits(
+            hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
+            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
+            USE_TMA, EVEN_K, EVEN_V, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
+        )  # [BLOCK_N, BLOCK_V]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_mask = offs_n < n_rows
+        col_mask = offs_v < vocab_size
+
+        if tile_entropy_ptr is not None:  # the max and its first column in one reduction, a NaN counting as +inf
+            tile_max, argmax = tl.max(tl.where(logits != logits, float("inf"), logits), axis=1, return_indices=True,
+                                      return_indices_tie_break_left=True)
+        else:
+            tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
+        row_ref = tile_max
+        if row_ref_ptr is not None:
+            row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
+        reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=row_ref_ptr is not None)
+        shifted = logits - reference[:, None]  # z - m (<= 0 unless m is the row's reference)
+        exp_shifted = tl.exp2(shifted * LOG2E)
+        sum_exp = tl.sum(exp_shifted, axis=1)
+        stat_offs = offs_n.to(tl.int64) * num_tiles + pid_v
+        tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
+        tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
+        if tile_sum_sq_ptr is not None:  # sum_j p_j^2 of the row, merged as sum_exp is, with squared weights
+            tl.store(tile_sum_sq_ptr + stat_offs, tl.sum(exp_shifted * exp_shifted, axis=1), mask=row_mask)
+        if tile_entropy_ptr is not None:
+            if EVEN_V and bias_ptr is None:  # no -inf logit: no 0 * inf to take out
+                entropy_term = -tl.sum(exp_shifted * shifted, axis=1)
+            else:
+                entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * shifted, 0.0), axis=1)
+            tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
+            # The tile's first column of its max (NO_INDEX where the tile is all -inf, past V), or
+            # its first NaN's, marked NAN_INDEX, as torch.argmax takes a NaN for the largest: such
+            # a tile's max is +inf and its sum NaN (exp(NaN - inf)), as is the row's loss.
+            argmax = pid_v * BLOCK_V + argmax
+            argmax = tl.where(tile_max == float("-inf"), NO_INDEX, tl.where(sum_exp != sum_exp, argmax | NAN_INDEX,
+                                                                             argmax))
+            tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
+        if tile_logit_sum_ptr is not None:
+            summed = logits
+            if class_weight_ptr is not None:  # sum_j w_j z_j
+                class_weight = tl.load(class_weight_ptr + offs_v, mask=col_mask, other=0.0)
+                summed = logits * class_weight[None, :]
+            logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
+            tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
+        if target_logit_ptr is not None:
+            # The target's logit from this tile's product, like the lse's terms: the two then
+            # share the product's rounding, which cancels in the loss lse - z_t. Without a
+            # target_logit the caller takes _picked_logit_dot_kernel's, a tensor-core product
+            # summed in the same order: the same loss, where picking here costs a compare, a
+            # select and an add a logit (1.6-4.5% of a forward, docs/design.md).
+            targets = _target_columns(tl.load(targets_ptr + offs_n, mask=row_mask, other=-1), vocab_size)
+            is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
+            target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
+            tile_start = pid_v * BLOCK_V
+            has_target = (targets >= tile_start) & (targets < tl.minimum(tile_start + BLOCK_V, vocab_size))
+            tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
+
+        if STORE_EXP:
+            # Zeros on the rows without gradient, only in a tile that has such a row (see
+            # _gluon_stats._tile_epilogue): an unconditional select is moved past the 16-bit
+            # conversion by the compiler, which then unpacks each pair of values for it.
+            no_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=1.0) == 0.0
+            tile_out = exp_shifted
+            if tl.max(no_grad.to(tl.int32), axis=0) > 0:
+                tile_out = tl.where(no_grad[:, None], 0.0, exp_shifted)
+            _store_tile(out_ptr, tile_out, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N,
+                        BLOCK_V)
+        elif out_ptr is not None:
+            _store_tile(out_ptr, shifted, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N,
+                        BLOCK_V)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _tile_grad_kernel(
+    # pointers (TMA descriptors for hidden and weight when USE_TMA, for out when TMA_STORE); None where absent
+    hidden_ptr,  # [n_rows, H]
+    weight_ptr,  # [V, H]
+    bias_ptr,  # [V] or None
+    targets_ptr,  # [n_rows] int
+    out_ptr,  # [n_rows, V] grad logits
+    lse_ptr,  # [n_rows] fp32
+    loss_grad_ptr,  # [n_rows] fp32 d out / d loss_i
+    lse_grad_ptr,  # [n_rows] fp32 d out / d lse_i, or None
+    entropy_grad_ptr,  # [n_rows] fp32 d out / d entropy_i, or None
+    class_weight_ptr,  # [V] fp32 class weights of the smoothing term, or None
+    smooth_grad_ptr,  # [n_rows] fp32 d out / d loss_i before the class weight, with class_weight_ptr
+    # sizes
+    n_rows,
+    vocab_size,
+    hidden_size,
+    group_rows,
+    # strides
+    stride_hn,
+    stride_hk,
+    stride_wv,
+    stride_wk,
+    stride_out_n,
+    # scalars (None: a scale of 1, no softcap, smoothing or z-loss)
     logit_scale,
     softcap,
     label_smoothing,
     z_loss_scale,
     inv_vocab_size,  # 1 / V of the whole vocabulary (this weight may be one shard of it)
     # meta-parameters
-    MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_LSE_GRAD: tl.constexpr,
-    RETURN_METRICS: tl.constexpr,
     USE_TMA: tl.constexpr,
     TMA_STORE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_V: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    HAS_CLASS_WEIGHT: tl.constexpr = False,  # class-weighted label smoothing
-    ACC_DTYPE: tl.constexpr = tl.float32,  # of the logits and statistics (fp64 for fp64 inputs)
-    HAS_LOGIT_SCALE: tl.constexpr = True,  # logit_scale != 1
-    EVEN_V: tl.constexpr = False,  # V % BLOCK_V == 0: no partial vocabulary tile
-    PICK_TARGET: tl.constexpr = True,  # modes 0, 1: the tile holding a row's target writes its logit
-    SUM_SQ: tl.constexpr = False,  # modes 0, 1: also each tile's sum of squared exponentials
-    ROW_REFERENCE: tl.constexpr = False,  # mode 0: sums relative to the row reference, as mode 3's
-    HAS_ENTROPY_GRAD: tl.constexpr = False,  # mode 2: the rows' entropies take gradient too
+    ACC_DTYPE: tl.constexpr,
 ):
-    """(BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles of logits, reduced in registers.
-
-    A tile is ``hidden[rows] @ weight[cols].T`` accumulated in fp32 over the hidden size,
-    then bias, scale and softcap. Mode 0 writes the tile statistics and, from the tile that
-    holds it, the target logit (with PICK_TARGET; without, the caller takes it from
-    ``_picked_logit_dot_kernel``); mode 1 also stores ``z - tile_max`` to ``out``; mode 2
-    (lse known) stores the gradient with respect to the raw logits; mode 3 stores
-    ``exp(z - reference)`` (0 on rows without gradient, ``loss_grad == 0``), its sums of
-    exponentials taken relative to that reference (see ``_exp_reference``), and leaves the
-    target logit to the caller (``row_reference``'s). Tile ids go over the row blocks of a group
-    of ``group_rows`` rows fastest, then over the vocabulary, then over the groups: the programs
-    running together share one weight tile in L2 while the group's hidden rows stay cached (a
-    launch of more rows than L2 holds, ungrouped, re-reads them from memory). Without PERSISTENT
-    a program does one tile; with it, a fixed grid strides over the tiles in one flattened loop,
-    so that the loads of the next tile overlap the epilogue of the current one.
-    """
-    # Combinations the launch layer never makes, refused at compile time.
+    """The gradient with respect to the raw logits, G = d out / d u [n_rows, V], of tiles of
+    (BLOCK_N rows) x (BLOCK_V vocabulary entries), once each row's lse is known: the logits are
+    recomputed as ``_tile_stats_kernel`` computes them, p = exp(z - lse), and ``_grad_logits``
+    gives G, stored to ``out`` in its dtype. Tiles are visited in ``_tile_position``'s order."""
     tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
-    tl.static_assert(MODE != MODE_STATS or not TMA_STORE, "mode 0 stores no buffer")
-    tl.static_assert(MODE == MODE_GRAD_LOGITS or not HAS_LSE_GRAD, "an lse gradient only in the recompute mode")
-    tl.static_assert(HAS_SMOOTHING or not HAS_CLASS_WEIGHT, "class weights enter the kernel with smoothing only")
-    tl.static_assert(MODE != MODE_STATS_AND_EXP or not (HAS_BIAS or HAS_SOFTCAP or HAS_SMOOTHING or HAS_Z_LOSS),
-                     "the factored gradient has one factor per row: no bias, softcap, smoothing or z-loss")
-    num_row_blocks = tl.cdiv(n_rows, BLOCK_N)
-    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
-    group_blocks = tl.cdiv(group_rows, BLOCK_N)
-    for tile_id in tl.range(tl.program_id(0), num_row_blocks * num_tiles, tl.num_programs(0), flatten=PERSISTENT):
-        group = tile_id // (group_blocks * num_tiles)
-        first_block = group * group_blocks
-        blocks_in_group = tl.minimum(num_row_blocks - first_block, group_blocks)  # fewer in the last group
-        in_group = tile_id - first_block * num_tiles
-        pid_n = first_block + in_group % blocks_in_group
-        pid_v = in_group // blocks_in_group
+    tl.static_assert(label_smoothing is not None or class_weight_ptr is None,
+                     "class weights enter the kernel with smoothing only")
+    num_all_tiles = tl.cdiv(n_rows, BLOCK_N) * tl.cdiv(vocab_size, BLOCK_V)
+    for tile_id in tl.range(tl.program_id(0), num_all_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_n, pid_v = _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N, BLOCK_V)
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
             stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
-            HAS_BIAS=HAS_BIAS, HAS_SOFTCAP=HAS_SOFTCAP, USE_TMA=USE_TMA, EVEN_K=EVEN_K,
-            INPUT_PRECISION=INPUT_PRECISION, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
-            ACC_DTYPE=ACC_DTYPE, HAS_LOGIT_SCALE=HAS_LOGIT_SCALE, EVEN_V=EVEN_V,
+            USE_TMA, EVEN_K, EVEN_V, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
         )  # [BLOCK_N, BLOCK_V]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         row_mask = offs_n < n_rows
-        col_mask = offs_v < vocab_size
-        offs_n64 = offs_n.to(tl.int64)
         targets = _target_columns(tl.load(targets_ptr + offs_n, mask=row_mask, other=-1), vocab_size)
-
-        if MODE == MODE_GRAD_LOGITS:
-            is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
-            lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
-            loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
-            lse_grad = loss_grad
-            if HAS_LSE_GRAD:
-                lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
-            entropy_grad = loss_grad
-            if HAS_ENTROPY_GRAD:
-                entropy_grad = tl.load(entropy_grad_ptr + offs_n, mask=row_mask, other=0.0)
-            class_weight = lse  # a placeholder without HAS_CLASS_WEIGHT
-            smooth_grad = loss_grad
-            if HAS_CLASS_WEIGHT:
-                class_weight = tl.load(class_weight_ptr + offs_v, mask=col_mask, other=0.0)
-                smooth_grad = tl.load(smooth_grad_ptr + offs_n, mask=row_mask, other=0.0)
-            probs = tl.exp(logits - lse[:, None])
-            tile_out = _grad_logits(
-                probs, logits, is_target, lse, loss_grad, lse_grad, class_weight, smooth_grad, inv_vocab_size,
-                logit_scale, softcap, label_smoothing, z_loss_scale,
-                HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
-                HAS_LSE_GRAD=HAS_LSE_GRAD, HAS_CLASS_WEIGHT=HAS_CLASS_WEIGHT,
-                entropy_grad=entropy_grad, HAS_ENTROPY_GRAD=HAS_ENTROPY_GRAD,
-            )
-        else:
-            # ---- tile statistics ----------------------------------------------------------
-            if RETURN_METRICS:  # the max and its first column in one reduction, a NaN counting as +inf
-                tile_max, argmax = tl.max(tl.where(logits != logits, float("inf"), logits), axis=1, return_indices=True,
-                                          return_indices_tie_break_left=True)
-            else:
-                tile_max = tl.max(logits, axis=1)  # [BLOCK_N]
-            row_ref = tile_max
-            if MODE == MODE_STATS_AND_EXP or ROW_REFERENCE:
-                row_ref = tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0)
-            reference = _exp_reference(tile_max, row_ref, ROW_REFERENCE=MODE == MODE_STATS_AND_EXP or ROW_REFERENCE)
-            tile_out = logits - reference[:, None]  # z - m (<= 0 unless m is the row's reference)
-            exp_shifted = tl.exp2(tile_out * LOG2E)
-            sum_exp = tl.sum(exp_shifted, axis=1)
-            stat_offs = offs_n64 * num_tiles + pid_v
-            tl.store(tile_max_ptr + stat_offs, tile_max, mask=row_mask)
-            tl.store(tile_sum_exp_ptr + stat_offs, sum_exp, mask=row_mask)
-            if SUM_SQ:  # sum_j p_j^2 of the row, from exp(z - m)^2 merged as sum_exp is, with squared weights
-                tl.store(tile_sum_sq_ptr + stat_offs, tl.sum(exp_shifted * exp_shifted, axis=1), mask=row_mask)
-            if RETURN_METRICS:
-                if EVEN_V and not HAS_BIAS:  # no -inf logit: no 0 * inf to take out
-                    entropy_term = -tl.sum(exp_shifted * tile_out, axis=1)
-                else:
-                    entropy_term = tl.sum(tl.where(exp_shifted > 0.0, -exp_shifted * tile_out, 0.0), axis=1)
-                tl.store(tile_entropy_ptr + stat_offs, entropy_term, mask=row_mask)
-                # The tile's first column of its max (NO_INDEX where the tile is all -inf, past V), or
-                # its first NaN's, marked NAN_INDEX, as torch.argmax takes a NaN for the largest: such
-                # a tile's max is +inf and its sum NaN (exp(NaN - inf)), as is the row's loss.
-                argmax = pid_v * BLOCK_V + argmax
-                argmax = tl.where(tile_max == float("-inf"), NO_INDEX, tl.where(sum_exp != sum_exp, argmax | NAN_INDEX,
-                                                                                 argmax))
-                tl.store(tile_argmax_ptr + stat_offs, argmax, mask=row_mask)
-            if HAS_SMOOTHING:
-                summed = logits
-                if HAS_CLASS_WEIGHT:  # sum_j w_j z_j
-                    class_weight = tl.load(class_weight_ptr + offs_v, mask=col_mask, other=0.0)
-                    summed = logits * class_weight[None, :]
-                logit_sum = tl.sum(tl.where(col_mask[None, :], summed, 0.0), axis=1)
-                tl.store(tile_logit_sum_ptr + stat_offs, logit_sum, mask=row_mask)
-            if MODE == MODE_STATS_AND_EXP:
-                # Zeros on the rows without gradient, only in a tile that has such a row (see
-                # _gluon_stats._tile_epilogue): an unconditional select is moved past the 16-bit
-                # conversion by the compiler, which then unpacks each pair of values for it.
-                no_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=1.0) == 0.0
-                tile_out = exp_shifted
-                if tl.max(no_grad.to(tl.int32), axis=0) > 0:
-                    tile_out = tl.where(no_grad[:, None], 0.0, exp_shifted)
-            elif PICK_TARGET:
-                # The target's logit from this tile's product, like the lse's terms: the two
-                # then share the product's rounding, which cancels in the loss lse - z_t. Mode 3,
-                # and modes 0 and 1 without PICK_TARGET, take _picked_logit_dot_kernel's, a
-                # tensor-core product summed in the same order: the same loss, where picking
-                # here costs a compare, a select and an add a logit (1.6-4.5% of a forward,
-                # docs/design.md).
-                is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
-                target_logit = tl.sum(tl.where(is_target, logits, 0.0), axis=1)
-                tile_start = pid_v * BLOCK_V
-                has_target = (targets >= tile_start) & (targets < tl.minimum(tile_start + BLOCK_V, vocab_size))
-                tl.store(target_logit_ptr + offs_n, target_logit, mask=row_mask & has_target)
-
-        if MODE != MODE_STATS:
-            if TMA_STORE:  # through shared memory by the copy engine, clipped at the edges
-                out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile_out.to(out_ptr.dtype))
-            else:
-                out_mask = row_mask[:, None] & col_mask[None, :]
-                out_ptrs = out_ptr + offs_n64[:, None] * stride_out_n + offs_v[None, :]
-                tl.store(out_ptrs, tile_out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        is_target = offs_v[None, :] == targets[:, None]  # [BLOCK_N, BLOCK_V]
+        lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
+        loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        lse_grad = loss_grad  # (unused without lse_grad_ptr, as the next three are without theirs)
+        if lse_grad_ptr is not None:
+            lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        entropy_grad = loss_grad
+        if entropy_grad_ptr is not None:
+            entropy_grad = tl.load(entropy_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        class_weight = lse
+        smooth_grad = loss_grad
+        if class_weight_ptr is not None:
+            class_weight = tl.load(class_weight_ptr + offs_v, mask=offs_v < vocab_size, other=0.0)
+            smooth_grad = tl.load(smooth_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        probs = tl.exp(logits - lse[:, None])
+        grad = _grad_logits(
+            probs, logits, is_target, lse, loss_grad, lse_grad, class_weight, smooth_grad, inv_vocab_size,
+            logit_scale, softcap, label_smoothing, z_loss_scale,
+            HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing is not None,
+            HAS_Z_LOSS=z_loss_scale is not None, HAS_LSE_GRAD=lse_grad_ptr is not None,
+            HAS_CLASS_WEIGHT=class_weight_ptr is not None,
+            entropy_grad=entropy_grad, HAS_ENTROPY_GRAD=entropy_grad_ptr is not None,
+        )
+        _store_tile(out_ptr, grad, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N, BLOCK_V)
 
 
 @triton.jit
@@ -827,7 +881,7 @@ def _factor_rows(
 @triton.jit(do_not_specialize=["n_rows"])
 def _row_factors_kernel(
     # pointers
-    buffer_ptr,  # [n_rows, V] in: exp(z - tile reference) (mode 3), out: E' (in place)
+    buffer_ptr,  # [n_rows, V] in: exp(z - tile reference) (the factored sweep's), out: E' (in place)
     tile_max_ptr,  # [n_rows, num_tiles] fp32
     row_max_ptr,  # [n_rows] fp32, the max over this weight's vocabulary
     row_ref_ptr,  # [n_rows] fp32 reference B the logit kernel was given
@@ -867,7 +921,7 @@ def _row_factors_kernel(
 @triton.jit(do_not_specialize=["n_rows"])
 def _factored_rows_kernel(
     # pointers
-    tile_max_ptr,  # [n_rows, num_tiles] fp32 (mode 3's sweep, against row_ref)
+    tile_max_ptr,  # [n_rows, num_tiles] fp32 (the factored sweep's, against row_ref)
     tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
     tile_entropy_ptr,  # [n_rows, num_tiles] fp32     (RETURN_METRICS)
     tile_argmax_ptr,  # [n_rows, num_tiles] int32     (RETURN_METRICS)
@@ -876,7 +930,7 @@ def _factored_rows_kernel(
     targets_ptr,  # [n_rows] int
     take_out_ptr,  # [n_rows] int8: where the target entry leaves the products (``_factor_rows``)
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
-    buffer_ptr,  # [n_rows, V] in: mode 3's exponentials, out: E'
+    buffer_ptr,  # [n_rows, V] in: the factored sweep's exponentials, out: E'
     row_max_ptr,  # [n_rows] fp32 out
     row_sum_exp_ptr,  # [n_rows] fp32 out
     row_entropy_ptr,  # [n_rows] fp32 out               (RETURN_METRICS)

@@ -25,7 +25,7 @@ def interpreting() -> bool:
 
 
 # Triton decides at decoration time whether a kernel is interpreted.
-KERNELS_INTERPRETED = isinstance(K._logit_tile_kernel, InterpretedFunction)
+KERNELS_INTERPRETED = isinstance(K._tile_stats_kernel, InterpretedFunction)
 
 
 # ---- configurations ---------------------------------------------------------------------
@@ -65,31 +65,46 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
     return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(128, 64, 8, 4, True), _config(256, 64, 8, 3)]
 
 
-_TUNING_KEY = [
-    "hidden_size", "vocab_size", "MODE", "HAS_BIAS", "HAS_SOFTCAP", "HAS_SMOOTHING",
-    "HAS_Z_LOSS", "HAS_LSE_GRAD", "RETURN_METRICS", "USE_TMA", "TMA_STORE", "EVEN_K", "BLOCK_V", "HAS_CLASS_WEIGHT",
-    "HAS_LOGIT_SCALE", "EVEN_V", "PICK_TARGET", "SUM_SQ", "ROW_REFERENCE", "HAS_ENTROPY_GRAD",
-]
-_autotuned = {}
-_chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_logit_tiles)
+_autotuned: dict[tuple, triton.runtime.Autotuner] = {}
+_chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_tiles)
+
+# The configuration of both logit kernels on Hopper (sm_90) for 16-bit inputs and 256-column
+# tiles, where the autotuner is not run: it chose this one for 15 of the 21 launch keys of the
+# main heads on the H200, the rest differing in their stages (4) or persistence alone
+# (benchmarks/results/trl-h200-v22.json, ``tuned_configs``); autotuning compiled each of its 5
+# candidates on the first call of every key (1-1.5 s a compile).
+TUNED = {(9, 0): (128, 64, 8, 3, True)}  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
+
+_capabilities: dict[torch.device, tuple[int, int]] = {}
 
 
-def _logit_kernel(block_v: int, element_size: int):
-    """The logit kernel to launch: autotuned on a GPU, one fixed small tile when interpreting."""
+def _tuned(device: torch.device, block_v: int, element_size: int) -> tuple | None:
+    if element_size != 2 or block_v != 256:
+        return None
+    if device not in _capabilities:
+        _capabilities[device] = torch.cuda.get_device_capability(device)
+    return TUNED.get(_capabilities[device])
+
+
+def _tile_kernel(kernel, block_v: int, element_size: int, device: torch.device, key: tuple):
+    """(kernel, fixed meta-parameters) to launch ``kernel`` (``K._tile_stats_kernel`` or
+    ``K._tile_grad_kernel``) with: one small tile when interpreting, the forced or the tuned
+    configuration, else the autotuner (one per launch ``key``: the variants' pointers that are
+    None differ in their best configuration) with no fixed ones."""
     tuning = settings()
     if interpreting():
-        return K._logit_tile_kernel, {"BLOCK_N": tuning.block_n, "BLOCK_K": tuning.block_k,
-                                      "PERSISTENT": tuning.persistent}
-    if tuning.config is not None:  # (BLOCK_N, BLOCK_K, warps, stages, persistent), exploration
-        block_n, block_k, warps, stages, persistent = tuning.config
-        return K._logit_tile_kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent,
-                                      "num_warps": warps, "num_stages": stages}
+        return kernel, {"BLOCK_N": tuning.block_n, "BLOCK_K": tuning.block_k, "PERSISTENT": tuning.persistent}
+    config = tuning.config or (_tuned(device, block_v, element_size) if tuning.autotune else None)
+    if config is not None:  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
+        block_n, block_k, warps, stages, persistent = config
+        return kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent,
+                        "num_warps": warps, "num_stages": stages}
     configs = logit_tile_configs(block_v, element_size)
     if not tuning.autotune:
         configs = configs[:1]
-    key = (block_v, element_size, len(configs))
+    key = (*key, len(configs))
     if key not in _autotuned:
-        _autotuned[key] = triton.autotune(configs, key=_TUNING_KEY)(K._logit_tile_kernel)
+        _autotuned[key] = triton.autotune(configs, key=["hidden_size", "vocab_size"])(kernel)
     return _autotuned[key], {}
 
 
@@ -268,91 +283,63 @@ def _group_rows(hidden: torch.Tensor) -> int:
     return max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
 
 
-def _launch_logit_tiles(hidden, weight, bias, targets, opts, *, mode, block_v, out, tile_stats, target_logit,
-                        lse=None, loss_grad=None, lse_grad=None, row_ref=None, class_weight=None, smooth_grad=None,
-                        return_metrics=False, pick_target=True, entropy_grad=None, logit_sum=False):
+def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, block_v: int) -> None:
+    """Launches a logit kernel (``K._tile_stats_kernel`` or ``K._tile_grad_kernel``) over every
+    (row block, vocabulary tile) of ``hidden`` [rows, H] @ ``weight`` [V, H].T. ``pointers``: the
+    kernel's pointer arguments after hidden and weight, ``out`` (the buffer, or None) among them;
+    ``scalars``: its scalar arguments, None where absent."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    kernel, fixed = _logit_kernel(block_v, hidden.element_size())
-    dummy = _dummy(hidden.device)
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
-    # are aligned; block shapes are set per configuration, by the autotuner's pre-hook.
+    # are aligned; block shapes are set per configuration (``_set_descriptor_blocks``).
     use_tma = _tma_ok(hidden, weight)
     tma_store = use_tma and out is not None and _tma_ok(out)
     hidden_arg = TensorDescriptor.from_tensor(hidden, [16, 16]) if use_tma else hidden
     weight_arg = TensorDescriptor.from_tensor(weight, [16, 16]) if use_tma else weight
-    out_arg = dummy if out is None else (TensorDescriptor.from_tensor(out, [16, 16]) if tma_store else out)
-    tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, tile_sum_sq = tile_stats
-    sum_sq = tile_sum_sq is not dummy
+    out_arg = TensorDescriptor.from_tensor(out, [16, 16]) if tma_store else out
+    pointers = tuple(out_arg if p is out and out is not None else p for p in pointers)
+    args = (
+        hidden_arg, weight_arg, *pointers,
+        n_rows, vocab_size, hidden_size, _group_rows(hidden),
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        out.stride(0) if out is not None else 0,
+        *scalars,
+    )
+    meta = dict(USE_TMA=use_tma, TMA_STORE=tma_store, EVEN_K=hidden_size % 128 == 0,
+                EVEN_V=vocab_size % block_v == 0, INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_V=block_v,
+                ACC_DTYPE=_acc_dtype(hidden.dtype))
+    # What a launch's configuration may depend on: the kernel, dtypes, sizes and which arguments are None.
+    key = (kernel.fn.__name__, hidden.dtype, None if out is None else out.dtype, hidden_size, vocab_size,
+           *(p is None for p in pointers), *(s is None for s in scalars), use_tma, tma_store, meta["EVEN_K"],
+           meta["EVEN_V"], meta["INPUT_PRECISION"], block_v)
+    launched, fixed = _tile_kernel(kernel, block_v, hidden.element_size(), hidden.device, key)
     max_programs = _max_programs(hidden.device)
 
     def grid(meta):
         tiles = triton.cdiv(n_rows, meta["BLOCK_N"]) * triton.cdiv(vocab_size, block_v)
         return (min(tiles, max_programs) if meta["PERSISTENT"] else tiles,)
 
-    args = (
-        hidden_arg, weight_arg, bias if bias is not None else dummy, targets,
-        tile_max, tile_sum_exp, tile_entropy, tile_argmax, tile_logit_sum, tile_sum_sq, target_logit,
-        out_arg,
-        lse if lse is not None else dummy,
-        loss_grad if loss_grad is not None else dummy,
-        lse_grad if lse_grad is not None else dummy,
-        row_ref if row_ref is not None else dummy,
-        class_weight if class_weight is not None else dummy,
-        smooth_grad if smooth_grad is not None else dummy,
-        entropy_grad if entropy_grad is not None else dummy,
-        n_rows, vocab_size, hidden_size, _group_rows(hidden),
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        out.stride(0) if out is not None else 0,
-    )
-    meta = dict(
-        **_scalars(opts, vocab_size),
-        MODE=int(mode),
-        **_flags(opts, bias),
-        HAS_LSE_GRAD=lse_grad is not None,
-        RETURN_METRICS=return_metrics,
-        USE_TMA=use_tma,
-        TMA_STORE=tma_store,
-        EVEN_K=hidden_size % 128 == 0,
-        INPUT_PRECISION=_input_precision(hidden.dtype),
-        BLOCK_V=block_v,
-        HAS_CLASS_WEIGHT=class_weight is not None,
-        ACC_DTYPE=_acc_dtype(hidden.dtype),
-        HAS_LOGIT_SCALE=float(opts.logit_scale) != 1.0,
-        EVEN_V=vocab_size % block_v == 0,
-        PICK_TARGET=pick_target,
-        SUM_SQ=sum_sq,
-        ROW_REFERENCE=mode == K.MODE_STATS and row_ref is not None,
-        HAS_ENTROPY_GRAD=entropy_grad is not None,
-    )
-    if logit_sum:  # in the statistics modes HAS_SMOOTHING only adds each tile's logit sum
-        assert mode != K.MODE_GRAD_LOGITS, "the logit sum is a statistic"
-        meta["HAS_SMOOTHING"] = True
     descriptors = {"hidden_ptr": hidden_arg, "weight_ptr": weight_arg, "out_ptr": out_arg, "BLOCK_V": block_v}
     if fixed:
         _set_descriptor_blocks({**descriptors, **fixed})
-        kernel[grid](*args, **meta, **fixed)
+        launched[grid](*args, **meta, **fixed)
         return
     # Once the autotuner has chosen for a key, launch its choice directly: the autotuner's own
-    # per-launch work is host time that small heads' steps wait for. The key holds the
-    # autotuner's (a coarser one could only cost speed, never correctness: every configuration
-    # computes the same tiles).
-    key = (id(kernel), hidden.dtype, weight.dtype, None if out is None else out.dtype, hidden_size, vocab_size,
-           *(meta[name] for name in _TUNING_KEY if name in meta))
+    # per-launch work is host time that small heads' steps wait for.
     config = _chosen.get(key)
     if config is None:
-        kernel[grid](*args, **meta)  # tunes on the first launch of a key
-        _chosen[key] = kernel.best_config
+        launched[grid](*args, **meta)  # tunes on the first launch of a key
+        _chosen[key] = launched.best_config
         return
     _set_descriptor_blocks({**descriptors, **config.kwargs})
-    K._logit_tile_kernel[grid](*args, **meta, **config.all_kwargs())
+    kernel[grid](*args, **meta, **config.all_kwargs())
 
 
 def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_ref, loss_grad, class_weight,
            target_logit, return_metrics, logit_sum=False, sum_sq=False):
-    """The logit kernel over a chunk: (tile statistics, target_logit, tile width, tiles a row).
-    Disabled statistics get the dummy tensor. Without a buffer, a ``row_ref`` takes the sums
-    relative to it (as the factored training sweep's, so that both give the same statistics)."""
+    """The statistics sweep over a chunk: (tile statistics, target_logit, tile width, tiles a row).
+    Statistics not asked for are None. Without a buffer, a ``row_ref`` takes the sums relative to
+    it (as the factored training sweep's, so that both give the same statistics)."""
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     block_v = tile_width(hidden.dtype)  # once a chunk: the state carries it to the buffer's passes
@@ -361,36 +348,38 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     acc_dtype = accumulation_dtype(hidden.dtype)
 
     def tile_array(enabled, dtype=acc_dtype):
-        return torch.empty((n_rows, num_tiles), device=device, dtype=dtype) if enabled else _dummy(device)
+        return torch.empty((n_rows, num_tiles), device=device, dtype=dtype) if enabled else None
 
     tile_stats = (
         tile_array(True), tile_array(True), tile_array(return_metrics),
         tile_array(return_metrics, torch.int32), tile_array(opts.has_smoothing or logit_sum), tile_array(sum_sq),
     )
-    if row_ref is not None and target_logit is None:  # mode 3 writes no target logit: it must come along
+    if row_ref is not None and target_logit is None:  # the factored sweep writes no target logit: it must come along
         raise ValueError("row_stats takes row_ref with its target_logit (both from row_reference)")
     pick_target = target_logit is None and not _target_logit_by_product(hidden)
     if pick_target:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), device=device, dtype=acc_dtype)
     elif target_logit is None:
         target_logit = _picked_logits(hidden, weight, targets, opts, bias)[1]
-    if shifted_out is None:
-        mode = K.MODE_STATS
-    else:
-        mode = K.MODE_STATS_AND_SHIFTED if row_ref is None else K.MODE_STATS_AND_EXP
+    factored = shifted_out is not None and row_ref is not None
     gluon = None
-    plain_stats = mode == K.MODE_STATS and not pick_target and row_ref is None and not (logit_sum or sum_sq)
-    if plain_stats or mode == K.MODE_STATS_AND_EXP and _gluon_training():
+    plain_stats = shifted_out is None and not pick_target and row_ref is None and not (logit_sum or sum_sq)
+    if plain_stats or factored and _gluon_training():
         gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
-    buffer = shifted_out if mode == K.MODE_STATS_AND_EXP else None  # mode 0 stores none
+    buffer = shifted_out if factored else None  # the statistics alone store none
     if gluon is not None and gluon.applies(hidden, weight, buffer) and _gluon_tile_stats(
             gluon, hidden, weight, tile_stats[0], tile_stats[1], device, row_ref, loss_grad, buffer):
         return tile_stats, target_logit, block_v, num_tiles
-    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=mode, block_v=block_v, out=shifted_out,
-                        tile_stats=tile_stats, target_logit=target_logit, loss_grad=loss_grad, row_ref=row_ref,
-                        class_weight=class_weight, return_metrics=return_metrics, pick_target=pick_target,
-                        logit_sum=logit_sum)
+    pointers = (bias, targets, *tile_stats, target_logit if pick_target else None, shifted_out, row_ref,
+                loss_grad if factored else None, class_weight if tile_stats[4] is not None else None)
+    _launch_tiles(K._tile_stats_kernel, hidden, weight, shifted_out, pointers, _scale_and_cap(opts), block_v)
     return tile_stats, target_logit, block_v, num_tiles
+
+
+def _scale_and_cap(opts: LossOptions) -> tuple:
+    """(logit_scale, softcap) as the logit kernels take them: None for a scale of 1, no softcap."""
+    scale = float(opts.logit_scale)
+    return None if scale == 1.0 else scale, float(opts.softcap) if opts.has_softcap else None
 
 
 def _gluon_training() -> bool:
@@ -497,9 +486,9 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32, logit_sum=logit_sum, sum_sq=sum_sq)
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
-        *tile_stats[:5],
+        *(_or_dummy(t, device) for t in tile_stats[:5]),
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device), tile_stats[5],
+        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device), _or_dummy(tile_stats[5], device),
         _or_dummy(stats.sum_sq, device),
         n_rows, num_tiles,
         RETURN_METRICS=return_metrics,
@@ -536,7 +525,8 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     # step on the H200, 0.045 so; docs/design.md).
     block_r = 2
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        tile_stats[0], tile_stats[1], tile_stats[2], tile_stats[3], row_ref, target_logit, targets,
+        tile_stats[0], tile_stats[1], _or_dummy(tile_stats[2], device), _or_dummy(tile_stats[3], device), row_ref,
+        target_logit, targets,
         _take_out(take_out, n_rows, device), loss_grad, buffer,
         stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
         out.lse, out.loss, _or_dummy(out.correct, device), _or_dummy(out.entropy, device), row_factor, target_grad,
@@ -852,12 +842,10 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     With label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] give the smoothing
     term its class weights (see ``_chunked.kernel_row_grads``); ``entropy_grad`` [rows] is
     d out / d entropy_i, whose -e_i H_i part the caller has put in ``lse_grad``."""
-    dummy = _dummy(hidden.device)
-    _launch_logit_tiles(hidden, weight, bias, targets, opts, mode=K.MODE_GRAD_LOGITS, block_v=tile_width(hidden.dtype),
-                        out=out,
-                        tile_stats=(dummy,) * 6, target_logit=dummy, lse=lse, loss_grad=loss_grad,
-                        lse_grad=lse_grad, class_weight=class_weight, smooth_grad=smooth_grad,
-                        entropy_grad=entropy_grad)
+    pointers = (bias, targets, out, lse, loss_grad, lse_grad, entropy_grad, class_weight, smooth_grad)
+    scalars = (*_scale_and_cap(opts), float(opts.label_smoothing) if opts.has_smoothing else None,
+               float(opts.z_loss_scale) if opts.has_z_loss else None, opts.inv_vocab_size(weight.shape[0]))
+    _launch_tiles(K._tile_grad_kernel, hidden, weight, out, pointers, scalars, tile_width(hidden.dtype))
     if bias_grad_acc is not None:
         bias_grad_acc += torch.sum(out, dim=0, dtype=bias_grad_acc.dtype)
     return out
