@@ -130,6 +130,15 @@ def _(x, scale):
     return None
 
 
+def _scale_in_place(x: Tensor, scale: Tensor) -> None:
+    """x *= scale: ``scale_op`` where traced, the backend's kernel directly in eager mode, where the
+    operator's dispatch is host time that the GPU waits for once a backward has synchronised."""
+    if torch.compiler.is_compiling():
+        scale_op(x, scale)
+    else:
+        _chunked.backend_for(x.device).scale_(x, scale.detach().reshape(1).to(torch.float32))
+
+
 def _vmap_per_sample(op):
     """A vmap rule that runs ``op`` once per sample and stacks the results (what PyTorch's
     fallback does, without its warning that asks for a batching rule)."""
@@ -283,7 +292,7 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
         grads = list(ctx.saved_tensors)
         for g in grads:
             if g.numel():
-                scale_op(g, loss_grad)
+                _scale_in_place(g, loss_grad)
         grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     else:
         grads = _recomputed_grads(ctx.saved_tensors, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
@@ -339,9 +348,8 @@ _TOKEN_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor
                           "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_forward", mutates_args=(), schema=_TOKEN_FORWARD_SCHEMA)
-def token_forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                     *args) -> tuple[Tensor, ...]:
+def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                   *args) -> tuple[Tensor, ...]:
     """(lse, log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs, grad_hidden, grad_weight,
     grad_bias), all per row [N] but the gradients, of the loss options in ``args`` (flat, then
     the outputs' names, which statistics: metrics (entropy and is_top1), the logit sum, the sum of
@@ -362,6 +370,10 @@ def token_forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tens
         wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
     )
+
+
+token_forward_op = torch.library.custom_op(f"{NAMESPACE}::token_forward", _token_forward, mutates_args=(),
+                                           schema=_TOKEN_FORWARD_SCHEMA)
 
 
 @token_forward_op.register_fake
@@ -482,7 +494,7 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
             grads = []
             for g, w in zip(saved_grads, want, strict=True):
                 if w and g.numel():
-                    scale_op(g, -common)
+                    _scale_in_place(g, -common)
                 grads.append(g if w else None)
             _uniform_grads[ctx.key] = _read_flag(check)
             if _uniform_grads[ctx.key]:
@@ -502,3 +514,20 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
 
 
 token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_context)
+
+
+class _EagerTokenForward(torch.autograd.Function):
+    """``token_forward_op`` in eager mode: the same forward, context and backward without the
+    operator's dispatch, host time that the GPU waits for when the caller has just synchronised
+    (TRL's head gathers the rows with a label, a sync, right before it)."""
+
+    forward = staticmethod(_token_forward)
+    setup_context = staticmethod(_token_setup_context)
+    backward = staticmethod(_token_backward)
+
+
+def token_forward(*args) -> tuple[Tensor, ...]:
+    """``token_forward_op(*args)``: the operator where traced, ``_EagerTokenForward`` otherwise."""
+    if torch.compiler.is_compiling():
+        return token_forward_op(*args)
+    return _EagerTokenForward.apply(*args)

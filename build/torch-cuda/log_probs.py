@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._dtensor import has_dtensor
-from ._ops import speculates, token_forward_op
+from ._ops import speculates, token_forward
 from ._options import LossOptions
 from .interface import (
     _autocast,
@@ -135,7 +135,7 @@ def fused_linear_log_probs(
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
     in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden) and speculates(key))
-    _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward_op(
+    _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward(
         hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), *options.op_args(),
         key, metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))
     if target_check is not None:
