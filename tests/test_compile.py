@@ -66,9 +66,18 @@ def _class_weighted_per_token(flce, hidden, weight, bias, targets):
     return losses.sum(), metrics["predictions"], metrics["correct_tokens"], metrics["entropy"]
 
 
+def _per_token_log_probs(flce, hidden, weight, bias, targets):
+    # per-token log-probs and entropy, gradients through both (the traced operator's recomputing
+    # backward: eager mode takes another route to the same functions, ``_ops._EagerTokenForward``)
+    out = flce.fused_linear_log_probs(hidden, weight, targets, bias, temperature=0.7,
+                                      outputs=("log_probs", "entropy", "is_top1"))
+    token_weights = torch.linspace(0.5, 1.5, targets.numel(), device=hidden.device).reshape(targets.shape)
+    return (out.log_probs * token_weights).sum() + 0.1 * out.entropy.sum(), out.log_probs, out.is_top1
+
+
 @pytest.mark.parametrize(("path", "fn"), [
     ("interpreter", _mean_with_metrics), ("torch", _mean_with_metrics), ("torch", _none_with_lse),
-    ("torch", _class_weighted_per_token),
+    ("torch", _class_weighted_per_token), ("interpreter", _per_token_log_probs), ("torch", _per_token_log_probs),
 ])
 def test_compiled_loss_matches_eager(flce, device, monkeypatch, path, fn):
     if device == "cpu":
