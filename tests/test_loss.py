@@ -917,11 +917,13 @@ def test_cpu_tensors_without_interpreter_use_the_torch_backend(flce, monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning runs on the GPU only")
-def test_autotuned_launch_matches_reference(flce, tune):
+@pytest.mark.parametrize("tuned", [False, True], ids=["autotuner", "shipped"])
+def test_autotuned_launch_matches_reference(flce, tune, tuned):
     """The suite launches one fixed configuration on the GPU; this case goes through the
     autotuner (every candidate configuration runs, the TMA descriptors get their blocks from
-    its pre-hook) and must give the same answers."""
-    tune(autotune=True)
+    its pre-hook), or on a GPU with a shipped configuration (sm_90) through that one, and must
+    give the same answers."""
+    tune(autotune=True, tuned=tuned)
     hidden, weight, targets, bias = make_inputs(300, 256, 1000, torch.bfloat16, seed=31, bias=True)
     loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, return_metrics=True)
     loss.backward()

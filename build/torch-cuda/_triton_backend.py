@@ -72,7 +72,8 @@ _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key 
 # tiles, where the autotuner is not run: it chose this one for 15 of the 21 launch keys of the
 # main heads on the H200, the rest differing in their stages (4) or persistence alone
 # (benchmarks/results/trl-h200-v22.json, ``tuned_configs``); autotuning compiled each of its 5
-# candidates on the first call of every key (1-1.5 s a compile).
+# candidates on the first call of every key (1-1.5 s a compile). Settings' ``tuned=False`` autotunes
+# there too (to re-derive the table: bench.py records the choices).
 TUNED = {(9, 0): (128, 64, 8, 3, True)}  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
@@ -94,7 +95,7 @@ def _tile_kernel(kernel, block_v: int, element_size: int, device: torch.device, 
     tuning = settings()
     if interpreting():
         return kernel, {"BLOCK_N": tuning.block_n, "BLOCK_K": tuning.block_k, "PERSISTENT": tuning.persistent}
-    config = tuning.config or (_tuned(device, block_v, element_size) if tuning.autotune else None)
+    config = tuning.config or (_tuned(device, block_v, element_size) if tuning.autotune and tuning.tuned else None)
     if config is not None:  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
         block_n, block_k, warps, stages, persistent = config
         return kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent,

@@ -52,7 +52,11 @@ class Settings:
     False: every tensor takes the PyTorch backend (chunked fp32 logits, on any device)."""
 
     autotune: bool = True
-    """Whether the logit kernel is autotuned on a GPU; False: its first configuration only."""
+    """Whether the logit kernels are autotuned on a GPU; False: their first configuration only."""
+
+    tuned: bool = True
+    """Whether a GPU with a shipped configuration (``_triton_backend.TUNED``: sm_90) takes it instead
+    of the autotuner; False: autotuned there too (to re-derive the table)."""
 
     config: tuple[int, int, int, int, bool] | None = None
     """One forced configuration of the logit kernel on a GPU, (BLOCK_N, BLOCK_K, warps, stages,
