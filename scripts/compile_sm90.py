@@ -112,6 +112,20 @@ ROW_KERNELS = {  # kernel name: its constexprs other than flags (all flags are c
     "_order_rows_kernel": dict(BLOCK=4096),
     "_zero_rows_kernel": dict(BLOCK_R=16, BLOCK_C=256),
 }
+# Each per-row kernel's arguments that its launches may leave None (absent inputs, metrics not
+# asked for): None with flags off, given with flags on.
+ROW_OPTIONAL = {
+    "_combine_tiles_kernel": ("tile_entropy_ptr", "tile_argmax_ptr", "tile_logit_sum_ptr", "row_entropy_ptr",
+                              "row_argmax_ptr", "row_logit_sum_ptr", "row_ref_ptr", "tile_sum_sq_ptr",
+                              "row_sum_sq_ptr"),
+    "_finalize_rows_kernel": ("row_entropy_ptr", "row_argmax_ptr", "row_logit_sum_ptr", "correct_ptr", "entropy_ptr",
+                              "label_smoothing", "z_loss_scale"),
+    "_factored_rows_kernel": ("tile_entropy_ptr", "tile_argmax_ptr", "row_entropy_ptr", "row_argmax_ptr",
+                              "correct_ptr", "entropy_ptr", "scaled_hidden_ptr"),
+    "_picked_logit_dot_kernel": ("bias_ptr", "rows_ptr", "softcap"),
+    "_scale_rows_kernel": ("dst_rows_ptr", "target_grad_ptr", "targets_ptr", "weight_ptr"),
+    "_target_segments_kernel": ("hidden_rows_ptr",),
+}
 ROW_WARPS = {"_order_rows_kernel": 8}  # launches other than the default 4 warps
 ROW_STAGES = {"_picked_logit_dot_kernel": 6}  # launches other than the default 3 stages
 # What a launch on contiguous tensors of the main heads specializes: unit column strides become
@@ -123,11 +137,14 @@ DIVISIBLE = ("hidden_size", "vocab_size", "n_cols")
 
 def compile_row_kernel(name: str, flags_on: bool):
     """A per-row kernel compiled for sm_90 as its launches on contiguous main-head tensors
-    compile it, its boolean constexprs all ``flags_on``."""
+    compile it, its boolean constexprs all ``flags_on`` and its optional arguments (ROW_OPTIONAL)
+    given (``flags_on``) or None."""
     fn = getattr(K, name)
     signature, constants, hints = {}, dict(ROW_KERNELS[name]), {}
     for index, (param_name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
-        if param_name.endswith("_ptr"):
+        if not flags_on and param_name in ROW_OPTIONAL.get(name, ()):
+            signature[param_name], constants[param_name] = "constexpr", None
+        elif param_name.endswith("_ptr"):
             signature[param_name] = ROW_POINTERS.get(param_name, "*fp32")
             hints[(index,)] = [["tt.divisibility", 16]]
         elif param_name in constants or param.annotation is tl.constexpr or param_name.isupper():

@@ -232,39 +232,15 @@ class TileState(NamedTuple):
     block_v: int
 
 
-def _flags(opts: LossOptions, bias) -> dict:
-    return dict(
-        HAS_BIAS=bias is not None,
-        HAS_SOFTCAP=opts.has_softcap,
-        HAS_SMOOTHING=opts.has_smoothing,
-        HAS_Z_LOSS=opts.has_z_loss,
-    )
-
-
 def _acc_dtype(dtype: torch.dtype):
     """The kernels' ACC_DTYPE for inputs of ``dtype``."""
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _scalars(opts: LossOptions, vocab_size: int) -> dict:
-    return dict(
-        logit_scale=float(opts.logit_scale),
-        softcap=float(opts.softcap or 1.0),
-        label_smoothing=float(opts.label_smoothing),
-        z_loss_scale=float(opts.z_loss_scale),
-        inv_vocab_size=opts.inv_vocab_size(vocab_size),
-    )
-
-
-_dummies: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy(device: torch.device) -> torch.Tensor:
-    """Stands for pointer arguments that a variant of a kernel does not touch: one 4-byte
-    tensor per device, kept (an allocation per argument and launch costs host time)."""
-    if device not in _dummies:
-        _dummies[device] = torch.empty(1, device=device)
-    return _dummies[device]
+def _smoothing_and_z_loss(opts: LossOptions) -> tuple:
+    """(label_smoothing, z_loss_scale) as the kernels take them: None where absent (0)."""
+    return (float(opts.label_smoothing) if opts.has_smoothing else None,
+            float(opts.z_loss_scale) if opts.has_z_loss else None)
 
 
 L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows of H = 4096 in 16 bits (50 MB L2)
@@ -464,10 +440,6 @@ def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics:
     )
 
 
-def _or_dummy(t: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    return t if t is not None else _dummy(device)
-
-
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
               class_weight=None, target_logit=None, return_metrics=False, logit_sum=False, sum_sq=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
@@ -487,15 +459,9 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32, logit_sum=logit_sum, sum_sq=sum_sq)
     block_r = 16
     K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
-        *(_or_dummy(t, device) for t in tile_stats[:5]),
-        stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        _or_dummy(stats.logit_sum, device), _or_dummy(row_ref, device), _or_dummy(tile_stats[5], device),
-        _or_dummy(stats.sum_sq, device),
+        *tile_stats[:5], stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax, stats.logit_sum, row_ref,
+        tile_stats[5], stats.sum_sq,
         n_rows, num_tiles,
-        RETURN_METRICS=return_metrics,
-        HAS_SMOOTHING=opts.has_smoothing or logit_sum,
-        SUM_SQ=sum_sq,
-        ROW_REFERENCE=row_ref is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
         ACC_DTYPE=_acc_dtype(hidden.dtype),
@@ -526,16 +492,11 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     # step on the H200, 0.045 so; docs/design.md).
     block_r = 2
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        tile_stats[0], tile_stats[1], _or_dummy(tile_stats[2], device), _or_dummy(tile_stats[3], device), row_ref,
-        target_logit, targets,
-        _take_out(take_out, n_rows, device), loss_grad, buffer,
-        stats.row_max, stats.sum_exp, _or_dummy(stats.entropy_term, device), _or_dummy(stats.argmax, device),
-        out.lse, out.loss, _or_dummy(out.correct, device), _or_dummy(out.entropy, device), row_factor, target_grad,
-        hidden, _or_dummy(scaled_hidden, device),
+        *tile_stats[:4], row_ref, target_logit, targets, _take_out(take_out, n_rows, device), loss_grad, buffer,
+        stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax,
+        out.lse, out.loss, out.correct, out.entropy, row_factor, target_grad, hidden, scaled_hidden,
         n_rows, vocab_size, hidden_size, num_tiles, buffer.stride(0), hidden.stride(0), hidden.stride(1),
         opts.ignore_index, float(opts.logit_scale),
-        RETURN_METRICS=return_metrics,
-        SCALE_HIDDEN=scaled_hidden is not None,
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
         BLOCK_V=block_v,
@@ -549,22 +510,13 @@ def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: 
     """Writes lse and loss of each row to ``out`` from its merged statistics, and with
     ``return_metrics`` its correctness and entropy."""
     n_rows = targets.shape[0]
-    dummy = _dummy(targets.device)
+    entropy_term, argmax, correct, entropy = ((stats.entropy_term, stats.argmax, out.correct, out.entropy)
+                                              if return_metrics else (None,) * 4)
     block_r = 128
     K._finalize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        stats.row_max, stats.sum_exp,
-        stats.entropy_term if return_metrics else dummy,
-        stats.argmax if return_metrics else dummy,
-        stats.logit_sum if opts.has_smoothing else dummy,
-        stats.target_logit, targets,
-        out.lse, out.loss,
-        out.correct if return_metrics else dummy,
-        out.entropy if return_metrics else dummy,
-        n_rows, opts.ignore_index, opts.inv_vocab_size(vocab_size), float(opts.label_smoothing),
-        float(opts.z_loss_scale),
-        RETURN_METRICS=return_metrics,
-        HAS_SMOOTHING=opts.has_smoothing,
-        HAS_Z_LOSS=opts.has_z_loss,
+        stats.row_max, stats.sum_exp, entropy_term, argmax, stats.logit_sum if opts.has_smoothing else None,
+        stats.target_logit, targets, out.lse, out.loss, correct, entropy,
+        n_rows, opts.ignore_index, opts.inv_vocab_size(vocab_size), *_smoothing_and_z_loss(opts),
         BLOCK_R=block_r,
     )
 
@@ -588,11 +540,9 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
     grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
     K._grad_from_shifted_kernel[grid](
-        buffer, state.tile_max, lse, loss_grad, targets,
-        bias_grad_acc if bias_grad_acc is not None else _dummy(buffer.device),
+        buffer, state.tile_max, lse, loss_grad, targets, bias_grad_acc,
         n_rows, rows_per_program, vocab_size, buffer.stride(0),
-        **_scalars(opts, vocab_size),
-        **_flags(opts, bias_grad_acc),
+        float(opts.logit_scale), _scale_and_cap(opts)[1], *_smoothing_and_z_loss(opts), opts.inv_vocab_size(vocab_size),
         BLOCK_N=16 if interpreting() else 32,
         BLOCK_V=block_v,
         num_warps=8,
@@ -657,11 +607,10 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     target_logit = torch.empty_like(out)
     block_r, block_k = (32, 16) if interpreting() else (64, 64)
     K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
-        hidden, weight, targets, out, target_logit, _or_dummy(bias, hidden.device), _or_dummy(rows, hidden.device),
+        hidden, weight, targets, out, target_logit, bias, rows,
         n_rows, weight.shape[0], hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        float(opts.logit_scale), float(opts.softcap or 1.0),
+        float(opts.logit_scale), _scale_and_cap(opts)[1],
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.has_softcap, HAS_ROWS=rows is not None,
         # six stages of 16 KiB: a 64-row program a multiprocessor is bound by the loads in flight
         # (three stages: 0.041 ms a Llama-2 step on the H200, six 0.031; docs/design.md)
         num_warps=4, num_stages=6,
@@ -727,13 +676,12 @@ def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_r
     n_rows, n_cols = src.shape
     block_r, block_c = (16, 32) if interpreting() else (16, 256)
     grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    dummy = _dummy(src.device)
-    target_grad, targets, weight = target_terms if target_terms is not None else (dummy, dummy, dummy)
+    target_grad, targets, weight = target_terms if target_terms is not None else (None, None, None)
     K._scale_rows_kernel[grid](
-        src, factor, dst, dst_rows if dst_rows is not None else dummy, target_grad, targets, weight,
+        src, factor, dst, dst_rows, target_grad, targets, weight,
         n_rows, n_cols, weight.shape[0] if target_terms is not None else 0,
         src.stride(0), src.stride(1), dst.stride(0), *(weight.stride() if target_terms is not None else (0, 0)),
-        HAS_DST_ROWS=dst_rows is not None, TARGET_TERMS=target_terms is not None, BLOCK_R=block_r, BLOCK_C=block_c,
+        BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return dst
 
@@ -772,10 +720,9 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     column_blocks = triton.cdiv(hidden_size, block_h)
     programs = min(triton.cdiv(n_rows, block_p), max(1, 16 * _max_programs(acc.device) // column_blocks))
     K._target_segments_kernel[(programs, column_blocks)](
-        acc, sorted_keys, perm, target_grad, hidden,
-        hidden_rows if hidden_rows is not None else _dummy(acc.device),
+        acc, sorted_keys, perm, target_grad, hidden, hidden_rows,
         n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
-        HAS_ROWS=hidden_rows is not None, BLOCK_P=block_p, BLOCK_H=block_h,
+        BLOCK_P=block_p, BLOCK_H=block_h,
     )
 
 
@@ -844,8 +791,7 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     term its class weights (see ``_chunked.kernel_row_grads``); ``entropy_grad`` [rows] is
     d out / d entropy_i, whose -e_i H_i part the caller has put in ``lse_grad``."""
     pointers = (bias, targets, out, lse, loss_grad, lse_grad, entropy_grad, class_weight, smooth_grad)
-    scalars = (*_scale_and_cap(opts), float(opts.label_smoothing) if opts.has_smoothing else None,
-               float(opts.z_loss_scale) if opts.has_z_loss else None, opts.inv_vocab_size(weight.shape[0]))
+    scalars = (*_scale_and_cap(opts), *_smoothing_and_z_loss(opts), opts.inv_vocab_size(weight.shape[0]))
     _launch_tiles(K._tile_grad_kernel, hidden, weight, out, pointers, scalars, tile_width(hidden.dtype))
     if bias_grad_acc is not None:
         bias_grad_acc += torch.sum(out, dim=0, dtype=bias_grad_acc.dtype)

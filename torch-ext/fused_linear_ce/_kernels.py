@@ -538,14 +538,17 @@ def _tile_grad_kernel(
 def _merge_tiles(
     tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_logit_sum_ptr, row_ref,
     offs_r, row_mask, num_tiles,
-    RETURN_METRICS: tl.constexpr, HAS_SMOOTHING: tl.constexpr, ROW_REFERENCE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """The row statistics [BLOCK_R] of rows ``offs_r`` merged from their tiles' [rows, num_tiles],
     in tile order (deterministic): (row_max, sum_exp relative to it, entropy term relative to it,
     argmax int32 (the first NaN's column if any tile has one), logit sum); the last three are
-    zeros / NO_INDEX unless RETURN_METRICS or HAS_SMOOTHING. The tiles' sums are relative to
-    their tile max, or with ROW_REFERENCE to ``_exp_reference``'s against ``row_ref`` [BLOCK_R]."""
+    zeros / NO_INDEX where their tiles' pointers (metrics: entropy and argmax; the logit sum) are
+    None. The tiles' sums are relative to their tile max, or to ``_exp_reference``'s against
+    ``row_ref`` [BLOCK_R] where that is not None."""
+    RETURN_METRICS: tl.constexpr = tile_entropy_ptr is not None
+    HAS_SMOOTHING: tl.constexpr = tile_logit_sum_ptr is not None
+    ROW_REFERENCE: tl.constexpr = row_ref is not None
     base = offs_r.to(tl.int64)[:, None] * num_tiles  # [BLOCK_R, 1]
 
     # Accumulate elementwise over [BLOCK_R, BLOCK_T] and reduce across columns once at the
@@ -558,7 +561,7 @@ def _merge_tiles(
         running_max = tl.maximum(running_max, tile_max)
     row_max = tl.max(running_max, axis=1)  # [BLOCK_R]
     safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    if not ROW_REFERENCE:
+    if row_ref is None:
         row_ref = row_max
 
     sum_exp = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
@@ -593,15 +596,15 @@ def _merge_tiles(
 def _store_row_stats(
     row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
-    RETURN_METRICS: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
 ):
-    """Stores ``_merge_tiles``' statistics of rows ``offs_r`` (argmax as int64)."""
+    """Stores ``_merge_tiles``' statistics of rows ``offs_r`` (argmax as int64), those whose
+    pointers are not None."""
     tl.store(row_max_ptr + offs_r, row_max, mask=row_mask)
     tl.store(row_sum_exp_ptr + offs_r, sum_exp, mask=row_mask)
-    if RETURN_METRICS:
+    if row_entropy_ptr is not None:
         tl.store(row_entropy_ptr + offs_r, entropy_term, mask=row_mask)
         tl.store(row_argmax_ptr + offs_r, argmax.to(tl.int64), mask=row_mask)
-    if HAS_SMOOTHING:
+    if row_logit_sum_ptr is not None:
         tl.store(row_logit_sum_ptr + offs_r, logit_sum, mask=row_mask)
 
 
@@ -610,46 +613,39 @@ def _combine_tiles_kernel(
     # pointers
     tile_max_ptr,  # [n_rows, num_tiles] fp32
     tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
-    tile_entropy_ptr,  # [n_rows, num_tiles] fp32   (RETURN_METRICS)
-    tile_argmax_ptr,  # [n_rows, num_tiles] int32   (RETURN_METRICS)
-    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32 (HAS_SMOOTHING)
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32, or None: no metrics
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32, with tile_entropy_ptr
+    tile_logit_sum_ptr,  # [n_rows, num_tiles] fp32, or None
     row_max_ptr,  # [n_rows] fp32 out
     row_sum_exp_ptr,  # [n_rows] fp32 out, relative to row_max
-    row_entropy_ptr,  # [n_rows] fp32 out, entropy term relative to row_max (RETURN_METRICS)
-    row_argmax_ptr,  # [n_rows] int64 out (RETURN_METRICS)
-    row_logit_sum_ptr,  # [n_rows] fp32 out (HAS_SMOOTHING)
-    row_ref_ptr,  # [n_rows] fp32 reference B of the tiles' sums (ROW_REFERENCE)
-    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32 (SUM_SQ)
-    row_sum_sq_ptr,  # [n_rows] fp32 out, sum_j exp(2 (z_j - row_max)) (SUM_SQ)
+    row_entropy_ptr,  # [n_rows] fp32 out, entropy term relative to row_max (with tile_entropy_ptr)
+    row_argmax_ptr,  # [n_rows] int64 out (with tile_entropy_ptr)
+    row_logit_sum_ptr,  # [n_rows] fp32 out (with tile_logit_sum_ptr)
+    row_ref_ptr,  # [n_rows] fp32 reference B of the tiles' sums, or None: their tile max
+    tile_sum_sq_ptr,  # [n_rows, num_tiles] fp32, or None
+    row_sum_sq_ptr,  # [n_rows] fp32 out, sum_j exp(2 (z_j - row_max)) (with tile_sum_sq_ptr)
     # sizes
     n_rows,
     num_tiles,
     # meta-parameters
-    RETURN_METRICS: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    ROW_REFERENCE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    ACC_DTYPE: tl.constexpr = tl.float32,  # of the statistics (fp64 for fp64 inputs)
-    SUM_SQ: tl.constexpr = False,
+    ACC_DTYPE: tl.constexpr,  # of the statistics (fp64 for fp64 inputs)
 ):
-    """Merges the per-tile statistics of each row (``_merge_tiles``), and with SUM_SQ the tiles'
-    sums of squared exponentials, each rescaled by the square of its tile's weight."""
+    """Merges the per-tile statistics of each row (``_merge_tiles``), and the tiles' sums of
+    squared exponentials where given, each rescaled by the square of its tile's weight."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_mask = offs_r < n_rows
-    row_ref = tl.zeros((BLOCK_R,), ACC_DTYPE)
-    if ROW_REFERENCE:
+    row_ref = None
+    if row_ref_ptr is not None:
         row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
     row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
         tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_logit_sum_ptr, row_ref,
-        offs_r, row_mask, num_tiles,
-        RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING, ROW_REFERENCE=ROW_REFERENCE,
-        BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=ACC_DTYPE,
+        offs_r, row_mask, num_tiles, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=ACC_DTYPE,
     )
     _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_logit_sum_ptr,
-                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
-                     RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=HAS_SMOOTHING)
-    if SUM_SQ:
+                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum)
+    if tile_sum_sq_ptr is not None:
         safe_max = tl.where(row_max == float("-inf"), 0.0, row_max)
         base = offs_r.to(tl.int64)[:, None] * num_tiles
         sum_sq = tl.zeros((BLOCK_R, BLOCK_T), ACC_DTYPE)
@@ -658,7 +654,10 @@ def _combine_tiles_kernel(
             mask = row_mask[:, None] & (offs_t[None, :] < num_tiles)
             tile_max = tl.load(tile_max_ptr + base + offs_t[None, :], mask=mask, other=float("-inf"))
             tile_sum_sq = tl.load(tile_sum_sq_ptr + base + offs_t[None, :], mask=mask, other=0.0)
-            reference = _exp_reference(tile_max, row_ref[:, None], ROW_REFERENCE)
+            if row_ref is None:
+                reference = _exp_reference(tile_max, tile_max, False)
+            else:
+                reference = _exp_reference(tile_max, row_ref[:, None], True)
             weight = tl.where(tile_max > float("-inf"), tl.exp(reference - safe_max[:, None]), 0.0)
             sum_sq += weight * weight * tile_sum_sq
         tl.store(row_sum_sq_ptr + offs_r, tl.sum(sum_sq, axis=1), mask=row_mask)
@@ -668,17 +667,17 @@ def _combine_tiles_kernel(
 def _finalize(
     row_max, sum_exp, entropy_term, argmax, logit_sum, target_logit, targets, valid,
     inv_vocab_size, label_smoothing, z_loss_scale,
-    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
 ):
     """(lse, loss, correct int32, entropy) [BLOCK_R] of rows from their merged statistics; loss,
-    correct and entropy are 0 where not ``valid`` (ignored rows)."""
+    correct and entropy are 0 where not ``valid`` (ignored rows). ``label_smoothing`` and
+    ``z_loss_scale`` are None where absent."""
     log_sum_exp = tl.log(sum_exp)
     lse = row_max + log_sum_exp
-    if HAS_SMOOTHING:
+    if label_smoothing is not None:
         loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * inv_vocab_size * logit_sum
     else:
         loss = lse - target_logit
-    if HAS_Z_LOSS:
+    if z_loss_scale is not None:
         loss = loss + z_loss_scale * lse * lse
     correct = (valid & (argmax == targets)).to(tl.int32)
     entropy = log_sum_exp + entropy_term / sum_exp
@@ -686,14 +685,11 @@ def _finalize(
 
 
 @triton.jit
-def _store_results(
-    lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
-    RETURN_METRICS: tl.constexpr,
-):
-    """Stores ``_finalize``'s per-row results."""
+def _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy):
+    """Stores ``_finalize``'s per-row results (the metrics where ``correct_ptr`` is not None)."""
     tl.store(lse_ptr + offs_r, lse, mask=row_mask)
     tl.store(loss_ptr + offs_r, loss, mask=row_mask)
-    if RETURN_METRICS:
+    if correct_ptr is not None:
         tl.store(correct_ptr + offs_r, correct, mask=row_mask)
         tl.store(entropy_ptr + offs_r, entropy, mask=row_mask)
 
@@ -703,25 +699,22 @@ def _finalize_rows_kernel(
     # pointers
     row_max_ptr,  # [n_rows] fp32
     row_sum_exp_ptr,  # [n_rows] fp32, relative to row_max
-    row_entropy_ptr,  # [n_rows] fp32, relative to row_max (RETURN_METRICS)
-    row_argmax_ptr,  # [n_rows] int64 (RETURN_METRICS)
-    row_logit_sum_ptr,  # [n_rows] fp32 (HAS_SMOOTHING)
+    row_entropy_ptr,  # [n_rows] fp32, relative to row_max, or None: no metrics
+    row_argmax_ptr,  # [n_rows] int64 (with the metrics)
+    row_logit_sum_ptr,  # [n_rows] fp32 (with label smoothing)
     target_logit_ptr,  # [n_rows] fp32 (NaN where no tile held the target)
     targets_ptr,  # [n_rows] int
     lse_ptr,  # [n_rows] fp32 out
     loss_ptr,  # [n_rows] fp32 out, 0 on ignored rows
-    correct_ptr,  # [n_rows] int32 out (RETURN_METRICS)
-    entropy_ptr,  # [n_rows] fp32 out, 0 on ignored rows (RETURN_METRICS)
-    # sizes and scalars
+    correct_ptr,  # [n_rows] int32 out (with the metrics)
+    entropy_ptr,  # [n_rows] fp32 out, 0 on ignored rows (with the metrics)
+    # sizes and scalars (label_smoothing and z_loss_scale None where absent)
     n_rows,
     ignore_index,
     inv_vocab_size,
     label_smoothing,
     z_loss_scale,
     # meta-parameters
-    RETURN_METRICS: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """Per-row lse, loss, correctness and entropy from the merged row statistics (``_finalize``)."""
@@ -734,17 +727,16 @@ def _finalize_rows_kernel(
     entropy_term = tl.zeros_like(row_max)
     argmax = tl.full(row_max.shape, -1, tl.int64)
     logit_sum = tl.zeros_like(row_max)
-    if RETURN_METRICS:
+    if row_entropy_ptr is not None:
         entropy_term = tl.load(row_entropy_ptr + offs_r, mask=row_mask, other=0.0)
         argmax = tl.load(row_argmax_ptr + offs_r, mask=row_mask, other=-1)
-    if HAS_SMOOTHING:
+    if row_logit_sum_ptr is not None:
         logit_sum = tl.load(row_logit_sum_ptr + offs_r, mask=row_mask, other=0.0)
     lse, loss, correct, entropy = _finalize(
         row_max, sum_exp, entropy_term, argmax, logit_sum, target_logit, targets, targets != ignore_index,
-        inv_vocab_size, label_smoothing, z_loss_scale, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
+        inv_vocab_size, label_smoothing, z_loss_scale,
     )
-    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
-                   RETURN_METRICS=RETURN_METRICS)
+    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy)
 
 
 @triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
@@ -755,23 +747,19 @@ def _grad_from_shifted_kernel(
     lse_ptr,  # [n_rows] fp32
     loss_grad_ptr,  # [n_rows] fp32, 0 on ignored rows
     targets_ptr,  # [n_rows] int
-    bias_grad_ptr,  # [V] fp32 accumulator, added to (HAS_BIAS)
+    bias_grad_ptr,  # [V] fp32 accumulator, added to; or None: no bias
     # sizes and strides
     n_rows,
     rows_per_program,
     vocab_size,
     stride_buf_n,
-    # scalars
+    # scalars (softcap, label_smoothing and z_loss_scale None where absent)
     logit_scale,
     softcap,
     label_smoothing,
     z_loss_scale,
     inv_vocab_size,
     # meta-parameters
-    HAS_BIAS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -806,14 +794,14 @@ def _grad_from_shifted_kernel(
         grad = _grad_logits(
             probs, logits, is_target, lse, loss_grad, loss_grad, loss_grad, loss_grad, inv_vocab_size,
             logit_scale, softcap, label_smoothing, z_loss_scale,
-            HAS_SOFTCAP=HAS_SOFTCAP, HAS_SMOOTHING=HAS_SMOOTHING, HAS_Z_LOSS=HAS_Z_LOSS,
-            HAS_LSE_GRAD=False, HAS_CLASS_WEIGHT=False,
+            HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing is not None,
+            HAS_Z_LOSS=z_loss_scale is not None, HAS_LSE_GRAD=False, HAS_CLASS_WEIGHT=False,
         )
         grad = tl.where(mask, grad, 0.0)
         tl.store(ptrs, grad.to(buffer_ptr.dtype.element_ty), mask=mask)
-        if HAS_BIAS:
+        if bias_grad_ptr is not None:
             bias_grad += tl.sum(grad, axis=0)
-    if HAS_BIAS:
+    if bias_grad_ptr is not None:
         acc = tl.load(bias_grad_ptr + offs_v, mask=col_mask, other=0.0)
         tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
 
@@ -923,8 +911,8 @@ def _factored_rows_kernel(
     # pointers
     tile_max_ptr,  # [n_rows, num_tiles] fp32 (the factored sweep's, against row_ref)
     tile_sum_exp_ptr,  # [n_rows, num_tiles] fp32
-    tile_entropy_ptr,  # [n_rows, num_tiles] fp32     (RETURN_METRICS)
-    tile_argmax_ptr,  # [n_rows, num_tiles] int32     (RETURN_METRICS)
+    tile_entropy_ptr,  # [n_rows, num_tiles] fp32, or None: no metrics
+    tile_argmax_ptr,  # [n_rows, num_tiles] int32     (with the metrics)
     row_ref_ptr,  # [n_rows] fp32 B, also the target's logit (``row_reference``)
     target_logit_ptr,  # [n_rows] fp32
     targets_ptr,  # [n_rows] int
@@ -933,16 +921,16 @@ def _factored_rows_kernel(
     buffer_ptr,  # [n_rows, V] in: the factored sweep's exponentials, out: E'
     row_max_ptr,  # [n_rows] fp32 out
     row_sum_exp_ptr,  # [n_rows] fp32 out
-    row_entropy_ptr,  # [n_rows] fp32 out               (RETURN_METRICS)
-    row_argmax_ptr,  # [n_rows] int64 out               (RETURN_METRICS)
+    row_entropy_ptr,  # [n_rows] fp32 out               (with the metrics)
+    row_argmax_ptr,  # [n_rows] int64 out               (with the metrics)
     lse_ptr,  # [n_rows] fp32 out
     loss_ptr,  # [n_rows] fp32 out, 0 on ignored rows
-    correct_ptr,  # [n_rows] int32 out                  (RETURN_METRICS)
-    entropy_ptr,  # [n_rows] fp32 out                   (RETURN_METRICS)
+    correct_ptr,  # [n_rows] int32 out                  (with the metrics)
+    entropy_ptr,  # [n_rows] fp32 out                   (with the metrics)
     row_factor_ptr,  # [n_rows] fp32 out: r
     target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
-    hidden_ptr,  # [n_rows, H] the chunk's hidden rows  (SCALE_HIDDEN)
-    scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous (SCALE_HIDDEN)
+    hidden_ptr,  # [n_rows, H] the chunk's hidden rows
+    scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous; or None
     # sizes, strides and scalars
     n_rows,
     vocab_size,
@@ -954,8 +942,6 @@ def _factored_rows_kernel(
     ignore_index,
     logit_scale,
     # meta-parameters
-    RETURN_METRICS: tl.constexpr,
-    SCALE_HIDDEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -963,29 +949,25 @@ def _factored_rows_kernel(
 ):
     """Everything a factored chunk's rows need after its sweep, in one launch, when its weight
     is the whole vocabulary (no merge across shards): the merged statistics (``_merge_tiles``),
-    lse, loss and metrics (``_finalize``), E', r and c (``_factor_rows``), and with SCALE_HIDDEN
-    the right-hand side of grad_weight's product, diag(r) hidden."""
+    lse, loss and metrics (``_finalize``), E', r and c (``_factor_rows``), and with
+    ``scaled_hidden`` the right-hand side of grad_weight's product, diag(r) hidden. (No
+    smoothing, no z-loss: the factored sweep has neither.)"""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
     row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
-    # No smoothing in the factored mode: the logit sum's pointers below are stand-ins, never touched.
     row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
-        tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, tile_sum_exp_ptr, row_ref,
-        offs_r, row_mask, num_tiles,
-        RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=False, ROW_REFERENCE=True,
-        BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=tl.float32,
+        tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, None, row_ref,
+        offs_r, row_mask, num_tiles, BLOCK_R=BLOCK_R, BLOCK_T=BLOCK_T, ACC_DTYPE=tl.float32,
     )
-    _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, row_max_ptr,
-                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum,
-                     RETURN_METRICS=RETURN_METRICS, HAS_SMOOTHING=False)
+    _store_row_stats(row_max_ptr, row_sum_exp_ptr, row_entropy_ptr, row_argmax_ptr, None,
+                     offs_r, row_mask, row_max, sum_exp, entropy_term, argmax, logit_sum)
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=ignore_index)
     target_logit = tl.load(target_logit_ptr + offs_r, mask=row_mask, other=0.0)
     lse, loss, correct, entropy = _finalize(
         row_max, tl.where(row_mask, sum_exp, 1.0), entropy_term, argmax, logit_sum, target_logit, targets,
-        targets != ignore_index, 0.0, 0.0, 0.0, HAS_SMOOTHING=False, HAS_Z_LOSS=False,
+        targets != ignore_index, 0.0, None, None,
     )
-    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy,
-                   RETURN_METRICS=RETURN_METRICS)
+    _store_results(lse_ptr, loss_ptr, correct_ptr, entropy_ptr, offs_r, row_mask, lse, loss, correct, entropy)
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
@@ -993,7 +975,7 @@ def _factored_rows_kernel(
                                        RESCALE_COLS=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
-    if SCALE_HIDDEN:
+    if scaled_hidden_ptr is not None:
         offs_r64 = offs_r.to(tl.int64)
         for k in range(0, hidden_size, BLOCK_H):
             offs_h = k + tl.arange(0, BLOCK_H)
@@ -1097,8 +1079,8 @@ def _picked_logit_dot_kernel(
     targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
     out_ptr,  # [n_rows] fp32 out: z at column c (s * hidden_i . weight_c, then bias and softcap)
     target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
-    bias_ptr,  # [V]                                   (HAS_BIAS)
-    rows_ptr,  # [n_rows] int64: row i is hidden[rows[i]] (HAS_ROWS; else hidden[i])
+    bias_ptr,  # [V], or None
+    rows_ptr,  # [n_rows] int64: row i is hidden[rows[i]]; or None: hidden[i]
     n_rows,
     vocab_size,
     hidden_size,
@@ -1107,13 +1089,10 @@ def _picked_logit_dot_kernel(
     stride_wv,
     stride_wk,
     logit_scale,
-    softcap,
+    softcap,  # or None
     INPUT_PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False,
-    HAS_SOFTCAP: tl.constexpr = False,
-    HAS_ROWS: tl.constexpr = False,
 ):
     """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores:
     hidden[BLOCK_R rows] @ weight[their target columns].T [BLOCK_R, BLOCK_R], which holds them on
@@ -1130,7 +1109,7 @@ def _picked_logit_dot_kernel(
     columns = tl.where(local, targets, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     load_r = (offs_r % n_rows).to(tl.int64)  # rows past the end wrap onto valid ones, not stored
-    if HAS_ROWS:  # the rows of a whole step's order, read in place instead of gathered by chunk
+    if rows_ptr is not None:  # the rows of a whole step's order, read in place instead of gathered by chunk
         load_r = tl.load(rows_ptr + load_r)
     h_ptrs = hidden_ptr + load_r[:, None] * stride_hn + offs_k[None, :] * stride_hk  # [BLOCK_R, BLOCK_K]
     w_ptrs = weight_ptr + columns[None, :] * stride_wv + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_R]
@@ -1144,10 +1123,10 @@ def _picked_logit_dot_kernel(
         w_ptrs += BLOCK_K * stride_wk
     on_diagonal = tl.arange(0, BLOCK_R)[:, None] == tl.arange(0, BLOCK_R)[None, :]
     picked = tl.sum(tl.where(on_diagonal, acc, 0.0), axis=1)  # exact: one term at most a row is not zero
-    if HAS_BIAS:
+    if bias_ptr is not None:
         picked = picked + tl.load(bias_ptr + columns).to(tl.float32)
     picked = picked * logit_scale
-    if HAS_SOFTCAP:
+    if softcap is not None:
         picked = softcap * _tanh(picked / softcap)
     tl.store(out_ptr + offs_r, picked, mask=row_mask)
     tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
@@ -1158,10 +1137,10 @@ def _scale_rows_kernel(
     src_ptr,  # [n_rows, n_cols] any float dtype, any strides
     factor_ptr,  # [n_rows] fp32
     dst_ptr,  # [*, n_cols] out, unit column stride: row i of the result goes to row dst_rows[i] (or i)
-    dst_rows_ptr,  # [n_rows] int64                   (HAS_DST_ROWS)
-    target_grad_ptr,  # [n_rows] fp32 c               (TARGET_TERMS)
-    targets_ptr,  # [n_rows] int, columns of weight   (TARGET_TERMS; out of range: no term)
-    weight_ptr,  # [V, n_cols] any strides            (TARGET_TERMS)
+    dst_rows_ptr,  # [n_rows] int64, or None: row i
+    target_grad_ptr,  # [n_rows] fp32 c, or None: no target terms
+    targets_ptr,  # [n_rows] int, columns of weight   (with target_grad_ptr; out of range: no term)
+    weight_ptr,  # [V, n_cols] any strides            (with target_grad_ptr)
     n_rows,
     n_cols,
     vocab_size,
@@ -1170,12 +1149,10 @@ def _scale_rows_kernel(
     stride_dst,
     stride_wv,
     stride_wk,
-    HAS_DST_ROWS: tl.constexpr,
-    TARGET_TERMS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """dst[dst_rows[i]] = factor[i] * src[i] (with TARGET_TERMS + c[i] * weight[targets[i]]: the
+    """dst[dst_rows[i]] = factor[i] * src[i] (+ c[i] * weight[targets[i]] with target terms: the
     factored grad_hidden's target term), computed in fp32 and rounded once to dst's dtype."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -1185,10 +1162,10 @@ def _scale_rows_kernel(
     src_ptrs = src_ptr + offs_r.to(tl.int64)[:, None] * stride_src_row + offs_c[None, :] * stride_src_col
     src = tl.load(src_ptrs, mask=mask, other=0.0)
     dst_rows = offs_r.to(tl.int64)
-    if HAS_DST_ROWS:
+    if dst_rows_ptr is not None:
         dst_rows = tl.load(dst_rows_ptr + offs_r, mask=row_mask, other=0)
     value = src.to(tl.float32) * factor[:, None]
-    if TARGET_TERMS:
+    if target_grad_ptr is not None:
         targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
         target_grad = tl.load(target_grad_ptr + offs_r, mask=row_mask, other=0.0)
         # only the rows whose target entry left the products (c != 0) read their row of weight
@@ -1304,14 +1281,13 @@ def _target_segments_kernel(
     perm_ptr,  # [n_rows] int64: the row of each sorted position
     target_grad_ptr,  # [n_rows] fp32 c of each row
     hidden_ptr,  # [*, H]
-    hidden_rows_ptr,  # [n_rows] int64: row i's row of hidden (HAS_ROWS; else i)
+    hidden_rows_ptr,  # [n_rows] int64: row i's row of hidden, or None: row i
     n_rows,
     vocab_size,
     hidden_size,
     stride_acc,
     stride_hn,
     stride_hk,
-    HAS_ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -1341,7 +1317,7 @@ def _target_segments_kernel(
             following = tl.load(sorted_keys_ptr + positions + 1, mask=in_segment & (positions + 1 < n_rows),
                                 other=vocab_size)
             target_grad = tl.load(target_grad_ptr + rows, mask=in_segment, other=0.0)
-            if HAS_ROWS:
+            if hidden_rows_ptr is not None:
                 rows = tl.load(hidden_rows_ptr + rows, mask=in_segment, other=0)
             h = tl.load(hidden_ptr + rows[:, None] * stride_hn + offs_h[None, :] * stride_hk,
                         mask=in_segment[:, None] & mask_h[None, :], other=0.0)
