@@ -42,21 +42,25 @@ class LossOptions:
 
     def op_args(self) -> tuple:
         """The options as the operators' flat arguments."""
-        return tuple(getattr(self, f.name) for f in fields(self))
+        return tuple(getattr(self, name) for name in _FIELD_NAMES)
 
     @classmethod
     def from_op_args(cls, args) -> "LossOptions":
         """The options back from the first ``num_op_args()`` of an operator's arguments."""
-        return cls(*args[: cls.num_op_args()])
+        return cls(*args[: len(_FIELD_NAMES)])
 
     @classmethod
     def num_op_args(cls) -> int:
-        return len(fields(cls))
+        return len(_FIELD_NAMES)
 
     @classmethod
     def op_schema(cls) -> str:
         """Their part of an operator's schema, e.g. ``"int ignore_index, float logit_scale, ..."``."""
         return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(cls))
+
+
+# The fields in order, read once (``dataclasses.fields`` costs host time at every call).
+_FIELD_NAMES = tuple(f.name for f in fields(LossOptions))
 
 
 _SCHEMA_TYPES = {int: "int", float: "float", str: "str", bool: "bool"}

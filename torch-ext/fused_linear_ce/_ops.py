@@ -8,6 +8,7 @@ Under torch.func transforms the same operators run inside ``FunctorchLoss``, an
 autograd.Function with ``setup_context``, which is what those transforms require.
 """
 
+import contextlib
 import weakref
 
 import torch
@@ -28,6 +29,10 @@ def _shard(opts: LossOptions) -> Shard | None:
 
 
 def _no_autocast(t: Tensor):
+    """A context without autocast on ``t``'s device (a no-op where it is off: entering an
+    autocast context costs host time at every call)."""
+    if not torch.is_autocast_enabled(t.device.type):
+        return contextlib.nullcontext()
     return torch.autocast(t.device.type, enabled=False)
 
 
