@@ -584,6 +584,198 @@ def _local_class_weight(class_weight, opts: LossOptions, vocab_size: int, shard:
     return class_weight[shard.vocab_start: shard.vocab_start + vocab_size].contiguous()
 
 
+class _ForwardStep:
+    """What the chunk loops of one ``forward`` share: the plan (the rows' order, chunk size, first
+    chunk), the per-row results and gradients being filled, and the target logits or row
+    references taken for every row before the chunks."""
+
+    def __init__(self, hidden, weight, targets, bias, opts: LossOptions, reduction: str, grads, shard, class_weight,
+                 all_rows: bool, return_metrics: bool, logit_sum: bool, sum_sq: bool, match_training: bool):
+        n_rows, hidden_size = hidden.shape
+        vocab_size = weight.shape[0]
+        device = hidden.device
+        self.backend = backend = backend_for(device)
+        _check_interpretable(backend, hidden)
+        self.hidden, self.weight, self.bias, self.opts, self.shard = hidden, weight, bias, opts, shard
+        self.vocab_size = vocab_size
+        self.return_metrics, self.logit_sum, self.sum_sq = return_metrics, logit_sum, sum_sq
+        self.f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
+        self.training = training = any(grads) and n_rows > 0
+        self.row_order = row_order = _row_order(backend, targets, opts, reduction, all_rows)
+        # Under vocabulary parallelism every rank plans the same chunks: the 128-row blocks of all.
+        self.row_block = 128 if shard is not None else backend.row_block(hidden.dtype, opts, bias is not None,
+                                                                         training, return_metrics, device)
+        self.chunk = _plan_chunk(backend, n_rows, vocab_size, hidden_size, hidden.dtype, training, shard,
+                                 spread=row_order is None, row_block=self.row_block, weight_grad=grads[1])
+        # A forward's chunks sized to fill its sweep's rounds (training's take the memory's cap; the
+        # ranks of a vocabulary split plan the same chunks, whatever their slice's tiles)
+        self.sweep_tiles = (None if training or shard is not None
+                            else backend.sweep_tiles(vocab_size, hidden.dtype, device))
+        self.first = _first_chunk_rows(n_rows, self.chunk, row_order, training, self.row_block, self.sweep_tiles)
+        self.targets = targets = targets if row_order is None else row_order.targets
+        self.results = _new_results(n_rows, return_metrics, self.f32, logit_sum, sum_sq)
+        self.row_weight = row_weights(targets, class_weight, opts.ignore_index)
+        self.weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
+        self.local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
+        # (the caller keeps class-weighted label smoothing and z-loss off this path: the smoothing
+        # term and the unweighted z-loss are not in the stored-logits gradient pass)
+        assert not (training and self.local_class_weight is not None), "class-weighted smoothing recomputes"
+        assert not (training and self.row_weight is not None and opts.has_z_loss), "class-weighted z-loss recomputes"
+        n_chunks = _cdiv(n_rows, self.chunk) if training else 0
+        self.gradients = _Gradients(hidden, vocab_size, grads, self.chunk, n_chunks, row_order, shard)
+        self.slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
+        self.factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
+        self.buffer = self.loss_grad = None
+        if training:
+            self.buffer = backend.new_buffer(self.first, vocab_size, hidden.dtype, device)
+            self.loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, self.row_weight, self.weight_sum,
+                                              vocab_size)
+        # (only grad_weight gains from it: grad_hidden's target term is exact either way)
+        self.take_out = (_rare_target_rows(backend, self.slice_targets, vocab_size, opts.ignore_index)
+                         if self.factored and grads[1] else None)
+        # The chunks' sums are taken against each row's reference where the step is factored, and
+        # where a forward without gradients must match such a step (``match_training``).
+        self.referenced = self.factored or (match_training and not training and n_rows > 0
+                                            and backend.factored_gradient(hidden.dtype, opts, bias is not None))
+        rows = None if row_order is None else row_order.order
+        # Every row's reference and target logit in one launch, the rows read in place (the order's
+        # ignored rows at its end too: they are not known yet), where the backend does so.
+        self.references = None
+        if self.referenced and shard is None and backend.reference_in_place():
+            self.references = backend.row_reference(hidden, weight, self.slice_targets, opts, rows=rows)
+        # Otherwise every row's target logit in one launch before the chunks, where the backend's
+        # statistics sweeps leave it to a product: a launch a chunk fills as few programs and takes as
+        # long (docs/design.md).
+        self.target_logits = None
+        if not self.referenced and n_rows > 0:
+            self.target_logits = backend.step_target_logits(hidden, weight, self.slice_targets, opts, bias, rows=rows)
+        self.computed = 0
+
+    def chunks(self):
+        """The chunks' rows [start, end) of the computed order, each with its hidden rows, targets
+        (of this weight's columns), share of the buffer and d loss / d loss_i (None without
+        gradients)."""
+        row_order = self.row_order
+        for start, end in _spans(self.hidden.shape[0], self.chunk, row_order, self.first, self.row_block,
+                                 self.sweep_tiles):
+            self.computed = end
+            hidden_c = self.hidden[start:end] if row_order is None else row_order.take(self.hidden, start, end)
+            stored = self.buffer[: end - start] if self.training else None
+            loss_grad_c = self.loss_grad[start:end] if self.training else None
+            yield start, end, hidden_c, self.slice_targets[start:end], stored, loss_grad_c
+
+    def results_of(self, start: int, end: int) -> RowResults:
+        """The per-row results of rows [start, end)."""
+        results = self.results
+        return RowResults(*(None if t is None else t[start:end] for t in (
+            results.lse, results.loss, results.correct, results.entropy, results.prediction, results.mean_logit,
+            results.log_sum_sq)))
+
+    def finish(self, stats: RowStats, start: int, end: int, out: RowResults | None = None) -> RowResults:
+        """The results of rows [start, end) from their statistics: finalized by the backend unless
+        ``out`` holds them already, then predictions, the mean logit, log sum_j p_j^2 and the class
+        weights' share."""
+        opts, targets = self.opts, self.targets[start:end]
+        if out is None:
+            out = self.results_of(start, end)
+            self.backend.finalize(stats, targets, opts, self.vocab_size, out, return_metrics=self.return_metrics)
+        valid = targets != opts.ignore_index
+        if self.return_metrics:
+            out.prediction.copy_(torch.where(valid, stats.argmax, -1))
+        if self.logit_sum:
+            out.mean_logit.copy_(torch.where(valid, stats.logit_sum * opts.inv_vocab_size(self.vocab_size), 0.0))
+        if self.sum_sq:  # sum_j p_j^2 = sum_j exp(2 (z_j - m)) / (sum_j exp(z_j - m))^2
+            out.log_sum_sq.copy_(torch.where(valid, stats.sum_sq.log() - 2.0 * stats.sum_exp.log(), 0.0))
+        if self.row_weight is not None:
+            weight_row_losses(out, stats, targets, self.row_weight[start:end], self.weight_sum, opts, self.vocab_size)
+        return out
+
+    def reference_of(self, start: int, end: int):
+        """(B, target_logit) of rows [start, end) where taken before the chunks, else None."""
+        return None if self.references is None else tuple(t[start:end] for t in self.references)
+
+    def take_out_of(self, start: int, end: int):
+        return None if self.take_out is None else self.take_out[start:end]
+
+    def row_stats(self, start, end, hidden_c, targets_c, stored, loss_grad_c):
+        """A chunk's statistics sweep: (stats, the state its buffer's passes need, row references)."""
+        if self.references is not None:
+            row_ref, target_logit = self.reference_of(start, end)
+        elif self.referenced:  # one launch a chunk
+            row_ref, target_logit = self.backend.row_reference(hidden_c, self.weight, targets_c, self.opts)
+        else:
+            row_ref = None
+            target_logit = None if self.target_logits is None else self.target_logits[start:end]
+        stats, state = self.backend.row_stats(
+            hidden_c, self.weight, self.bias, targets_c, self.opts, stored, row_ref=row_ref,
+            loss_grad=loss_grad_c if self.factored else None, class_weight=self.local_class_weight,
+            target_logit=target_logit, return_metrics=self.return_metrics, logit_sum=self.logit_sum,
+            sum_sq=self.sum_sq)
+        return stats, state, row_ref
+
+
+def _factored_chunks(step: _ForwardStep) -> None:
+    """Training with the factored gradient against the whole vocabulary: a chunk is its sweep
+    (storing exponentials), one pass over its rows (statistics, results, the gradient's factors)
+    and the two products."""
+    backend, gradients = step.backend, step.gradients
+    for start, end, hidden_c, targets_c, stored, loss_grad_c in step.chunks():
+        out = step.results_of(start, end)
+        scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
+                         if gradients.grad_weight is not None else None)
+        stats, row_factor, target_grad = backend.factored_chunk(
+            hidden_c, step.weight, targets_c, step.opts, stored, loss_grad_c, out, scaled_hidden,
+            return_metrics=step.return_metrics, reference=step.reference_of(start, end),
+            take_out=step.take_out_of(start, end))
+        step.finish(stats, start, end, out)
+        # What the products need of the chunk's hidden rows is in scaled_hidden now, and
+        # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
+        # before grad_hidden's fp32 block comes (chunk_rows counts H x 4 bytes a row beside
+        # the buffer).
+        hidden_c = None
+        if scaled_hidden is not None:
+            gradients.add_weight_grad(stored, scaled_hidden)
+            scaled_hidden = None
+        gradients.add_hidden_grad(start, end, stored, step.weight, row_factor, backend, (target_grad, targets_c))
+
+
+def _statistics_chunks(step: _ForwardStep) -> None:
+    """A forward without gradients: each chunk's statistics and results; under vocabulary
+    parallelism the chunks' statistics are merged across the ranks once, at the end (two
+    all-reduces a call)."""
+    chunk_stats = []
+    for start, end, hidden_c, targets_c, _, _ in step.chunks():
+        stats, _, _ = step.row_stats(start, end, hidden_c, targets_c, None, None)
+        if step.shard is None:
+            step.finish(stats, start, end)
+        else:
+            chunk_stats.append(stats)
+    if chunk_stats:
+        step.finish(step.shard.merge(_concat_stats(chunk_stats)), 0, step.computed)
+
+
+def _stored_chunks(step: _ForwardStep) -> None:
+    """Training whose chunk buffer keeps what its gradient is made from (``z - tile max``, or under
+    vocabulary parallelism the factored sweep's exponentials): the chunk's statistics, merged
+    across the ranks (its gradient needs the global lse before the next chunk takes the buffer),
+    its results, then its gradient from the buffer."""
+    backend, gradients, opts = step.backend, step.gradients, step.opts
+    for start, end, hidden_c, targets_c, stored, loss_grad_c in step.chunks():
+        stats, state, row_ref = step.row_stats(start, end, hidden_c, targets_c, stored, loss_grad_c)
+        local_row_max = stats.row_max
+        if step.shard is not None:
+            stats = step.shard.merge(stats)
+        out = step.finish(stats, start, end)
+        if step.factored:
+            row_factor, target_grad = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c,
+                                                          targets_c, opts, step.take_out_of(start, end))
+            gradients.add(start, end, hidden_c, stored, step.weight, row_factor, backend, (target_grad, targets_c))
+        else:
+            grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
+                                                   gradients.bias_acc)
+            gradients.add(start, end, hidden_c, grad_logits, step.weight)
+
+
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
@@ -599,146 +791,22 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
 
     With ``match_training``, where a training step takes the factored gradient, a forward
     without gradients takes its statistics against the same row references, so that metrics and
-    per-row results are the same bit for bit with or without gradients."""
-    n_rows, hidden_size = hidden.shape
-    vocab_size = weight.shape[0]
-    device = hidden.device
-    backend = backend_for(device)
-    _check_interpretable(backend, hidden)
-    f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
-    training = any(grads) and n_rows > 0
-    row_order = _row_order(backend, targets, opts, reduction, all_rows)
-    # Under vocabulary parallelism every rank plans the same chunks: the 128-row blocks of all.
-    row_block = 128 if shard is not None else backend.row_block(hidden.dtype, opts, bias is not None, training,
-                                                                return_metrics, device)
-    chunk = _plan_chunk(backend, n_rows, vocab_size, hidden_size, hidden.dtype, training, shard,
-                        spread=row_order is None, row_block=row_block, weight_grad=grads[1])
-    # A forward's chunks sized to fill its sweep's rounds (training's take the memory's cap; the
-    # ranks of a vocabulary split plan the same chunks, whatever their slice's tiles)
-    sweep_tiles = None if training or shard is not None else backend.sweep_tiles(vocab_size, hidden.dtype, device)
-    first = _first_chunk_rows(n_rows, chunk, row_order, training, row_block, sweep_tiles)
-    if row_order is not None:
-        targets = row_order.targets
-    results = _new_results(n_rows, return_metrics, f32, logit_sum, sum_sq)
-    row_weight = row_weights(targets, class_weight, opts.ignore_index)
-    weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
-    local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
-    # (the caller keeps class-weighted label smoothing and z-loss off this path: the smoothing
-    # term and the unweighted z-loss are not in the stored-logits gradient pass)
-    assert not (training and local_class_weight is not None), "class-weighted smoothing recomputes"
-    assert not (training and row_weight is not None and opts.has_z_loss), "class-weighted z-loss recomputes"
-    n_chunks = _cdiv(n_rows, chunk) if training else 0
-    gradients = _Gradients(hidden, vocab_size, grads, chunk, n_chunks, row_order, shard)
-    slice_targets = targets if shard is None else shard.local_targets(targets, vocab_size)
-    factored = training and backend.factored_gradient(hidden.dtype, opts, bias is not None)
-    if training:
-        buffer = backend.new_buffer(first, vocab_size, hidden.dtype, device)
-        loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, row_weight, weight_sum, vocab_size)
-    # (only grad_weight gains from it: grad_hidden's target term is exact either way)
-    take_out = (_rare_target_rows(backend, slice_targets, vocab_size, opts.ignore_index)
-                if factored and grads[1] else None)
-    # Vocabulary parallelism without gradients in the sweep: one merge of every row's
-    # statistics (two all-reduces a call). Training merges per chunk: a chunk's gradient needs
-    # its global lse before the next chunk takes the buffer.
-    merge_once = shard is not None and not training
-    chunk_stats = []
+    per-row results are the same bit for bit with or without gradients.
 
-    def results_of(start, end):  # the per-row results of rows [start, end)
-        return RowResults(*(None if t is None else t[start:end] for t in (
-            results.lse, results.loss, results.correct, results.entropy, results.prediction, results.mean_logit,
-            results.log_sum_sq)))
-
-    def finish(stats, start, end, out=None):  # finalized by the backend unless ``out`` is given
-        if out is None:
-            out = results_of(start, end)
-            backend.finalize(stats, targets[start:end], opts, vocab_size, out, return_metrics=return_metrics)
-        valid = targets[start:end] != opts.ignore_index
-        if return_metrics:
-            out.prediction.copy_(torch.where(valid, stats.argmax, -1))
-        if logit_sum:
-            out.mean_logit.copy_(torch.where(valid, stats.logit_sum * opts.inv_vocab_size(vocab_size), 0.0))
-        if sum_sq:  # sum_j p_j^2 = sum_j exp(2 (z_j - m)) / (sum_j exp(z_j - m))^2
-            out.log_sum_sq.copy_(torch.where(valid, stats.sum_sq.log() - 2.0 * stats.sum_exp.log(), 0.0))
-        if row_weight is not None:
-            weight_row_losses(out, stats, targets[start:end], row_weight[start:end], weight_sum, opts, vocab_size)
-        return out
-
-    # The chunks' sums are taken against each row's reference where the step is factored, and
-    # where a forward without gradients must match such a step (``match_training``).
-    referenced = factored or (match_training and not training and n_rows > 0
-                              and backend.factored_gradient(hidden.dtype, opts, bias is not None))
-    # Every row's reference and target logit in one launch, the rows read in place (the order's
-    # ignored rows at its end too: they are not known yet), where the backend does so.
-    references = None
-    if referenced and shard is None and backend.reference_in_place():
-        references = backend.row_reference(hidden, weight, slice_targets, opts,
-                                           rows=None if row_order is None else row_order.order)
-    # Otherwise every row's target logit in one launch before the chunks, where the backend's
-    # statistics sweeps leave it to a product: a launch a chunk fills as few programs and takes as
-    # long (docs/design.md).
-    target_logits = None
-    if not referenced and n_rows > 0:
-        target_logits = backend.step_target_logits(hidden, weight, slice_targets, opts, bias,
-                                                   rows=None if row_order is None else row_order.order)
-    computed = 0
-    for start, end in _spans(n_rows, chunk, row_order, first, row_block, sweep_tiles):
-        computed = end
-        hidden_c = hidden[start:end] if row_order is None else row_order.take(hidden, start, end)
-        targets_c = slice_targets[start:end]
-        stored = buffer[: end - start] if training else None
-        loss_grad_c = loss_grad[start:end] if training else None
-        if factored and shard is None:  # statistics, results and the gradient's factors in one pass
-            out = results_of(start, end)
-            scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
-                             if gradients.grad_weight is not None else None)
-            reference = None if references is None else tuple(t[start:end] for t in references)
-            stats, row_factor, target_grad = backend.factored_chunk(
-                hidden_c, weight, targets_c, opts, stored, loss_grad_c, out, scaled_hidden,
-                return_metrics=return_metrics, reference=reference,
-                take_out=None if take_out is None else take_out[start:end])
-            finish(stats, start, end, out)
-            # What the products need of the chunk's hidden rows is in scaled_hidden now, and
-            # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
-            # before grad_hidden's fp32 block comes (chunk_rows counts H x 4 bytes a row beside
-            # the buffer).
-            hidden_c = None
-            if scaled_hidden is not None:
-                gradients.add_weight_grad(stored, scaled_hidden)
-                scaled_hidden = None
-            gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, (target_grad, targets_c))
-            continue
-        # statistics of the chunk's sweep (and, training, what its gradient is made from)
-        if references is not None:
-            row_ref, target_logit = (t[start:end] for t in references)
-        elif referenced:  # one launch a chunk
-            row_ref, target_logit = backend.row_reference(hidden_c, weight, targets_c, opts)
-        else:
-            row_ref = None
-            target_logit = None if target_logits is None else target_logits[start:end]
-        stats, state = backend.row_stats(hidden_c, weight, bias, targets_c, opts, stored, row_ref=row_ref,
-                                         loss_grad=loss_grad_c if factored else None, class_weight=local_class_weight,
-                                         target_logit=target_logit, return_metrics=return_metrics,
-                                         logit_sum=logit_sum, sum_sq=sum_sq)
-        if merge_once:
-            chunk_stats.append(stats)
-            continue
-        local_row_max = stats.row_max
-        if shard is not None:  # merge across the vocabulary's slices
-            stats = shard.merge(stats)
-        out = finish(stats, start, end)  # finalize
-        if factored:  # gradient
-            row_factor, target_grad = backend.row_factors(stored, state, local_row_max, row_ref, out.lse, loss_grad_c,
-                                                          targets_c, opts,
-                                                          None if take_out is None else take_out[start:end])
-            gradients.add(start, end, hidden_c, stored, weight, row_factor, backend, (target_grad, targets_c))
-        elif training:
-            grad_logits = backend.grad_from_stored(stored, state, targets_c, out.lse, loss_grad_c, opts,
-                                                   gradients.bias_acc)
-            gradients.add(start, end, hidden_c, grad_logits, weight)
-    if merge_once and chunk_stats:
-        finish(shard.merge(_concat_stats(chunk_stats)), 0, computed)
-    grads_out = gradients.finish(hidden.dtype, bias, backend, slice_targets)
-    return _forward_result(results, grads_out, targets, opts, reduction, row_order, row_weight, return_metrics, f32)
+    The chunks go through one of three loops: the factored training step (``_factored_chunks``),
+    the forward without gradients (``_statistics_chunks``), and training from a stored buffer
+    (``_stored_chunks``: without the factored gradient, or under vocabulary parallelism)."""
+    step = _ForwardStep(hidden, weight, targets, bias, opts, reduction, grads, shard, class_weight, all_rows,
+                        return_metrics, logit_sum, sum_sq, match_training)
+    if step.factored and shard is None:
+        _factored_chunks(step)
+    elif step.training:
+        _stored_chunks(step)
+    else:
+        _statistics_chunks(step)
+    grads_out = step.gradients.finish(hidden.dtype, bias, step.backend, step.slice_targets)
+    return _forward_result(step.results, grads_out, step.targets, opts, reduction, step.row_order, step.row_weight,
+                           return_metrics, step.f32)
 
 
 def _new_results(n_rows: int, return_metrics: bool, f32: dict, logit_sum: bool = False,
