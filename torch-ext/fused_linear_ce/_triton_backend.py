@@ -360,7 +360,7 @@ def _scale_and_cap(opts: LossOptions) -> tuple:
 
 
 def _gluon_training() -> bool:
-    """Whether the factored training sweep (mode 3) takes ``_gluon_stats`` where it applies
+    """Whether the factored training sweep takes ``_gluon_stats`` where it applies
     (``gluon_training``, default True: a step 1-2% faster at the power cap on large vocabularies,
     docs/design.md; ``gluon`` False turns off both sweeps)."""
     return settings().gluon_training
@@ -368,8 +368,8 @@ def _gluon_training() -> bool:
 
 def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
                  device: torch.device):
-    """``_gluon_stats`` where it computes a statistics sweep (mode 0, or the factored training
-    sweep, mode 3) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
+    """``_gluon_stats`` where it computes a statistics sweep (the statistics alone, or the factored training
+    sweep) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
     logits z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters
     only the loss), no metrics, the target logit from the tensor-core product and the logit
     kernel's 256-column tiles."""
@@ -588,7 +588,7 @@ def _tensor_core_target() -> bool:
 
 
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
-    """Whether a statistics sweep (modes 0, 1) leaves each row's target logit to
+    """Whether a statistics sweep without the factored buffer leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, docs/design.md). Not for fp64 inputs (the product
