@@ -3,6 +3,7 @@
 
 import contextlib
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def flce():
     from kernels import get_kernel
 
     kernel = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+    # The Triton backend is imported on first use, and Triton decides at decoration time whether a
+    # kernel is interpreted: imported first inside a test that sets TRITON_INTERPRET=0 (the PyTorch
+    # path for CPU tensors), its kernels would stay compiled ones that the interpreter cannot run
+    # in the tests after it. Imported here, under this file's TRITON_INTERPRET, whatever the order.
+    if importlib.util.find_spec("triton") is not None:
+        submodule(kernel, "_triton_backend")
     with submodule(kernel, "_settings").override(autotune=False):
         yield kernel
 
