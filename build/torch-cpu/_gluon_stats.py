@@ -257,7 +257,7 @@ def _group_2(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_bloc
 
 
 # n_rows unspecialised: a step's chunks differ in it (and in its divisibility by 16), and each
-# specialisation would be compiled anew (3 s a compile on the H200's host).
+# specialisation would be compiled anew.
 @gluon.jit(do_not_specialize=["n_rows"])
 def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, n_rows,
                       vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):

@@ -123,11 +123,12 @@ def _(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, *ar
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::scale_", mutates_args=("x",))
-def scale_op(x: Tensor, scale: Tensor) -> None:
+def _scale(x: Tensor, scale: Tensor) -> None:
     """x *= scale in place (scale: a 0-d or 1-element tensor)."""
-    scale = scale.detach().reshape(1).to(torch.float32)
-    _chunked.backend_for(x.device).scale_(x, scale)
+    _chunked.backend_for(x.device).scale_(x, scale.detach().reshape(1).to(torch.float32))
+
+
+scale_op = torch.library.custom_op(f"{NAMESPACE}::scale_", _scale, mutates_args=("x",))
 
 
 @scale_op.register_fake
@@ -138,10 +139,7 @@ def _(x, scale):
 def _scale_in_place(x: Tensor, scale: Tensor) -> None:
     """x *= scale: ``scale_op`` where traced, the backend's kernel directly in eager mode, where the
     operator's dispatch is host time that the GPU waits for once a backward has synchronised."""
-    if torch.compiler.is_compiling():
-        scale_op(x, scale)
-    else:
-        _chunked.backend_for(x.device).scale_(x, scale.detach().reshape(1).to(torch.float32))
+    (scale_op if torch.compiler.is_compiling() else _scale)(x, scale)
 
 
 def _vmap_per_sample(op):

@@ -69,11 +69,8 @@ _autotuned: dict[tuple, triton.runtime.Autotuner] = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_tiles)
 
 # The configuration of both logit kernels on Hopper (sm_90) for 16-bit inputs and 256-column
-# tiles, where the autotuner is not run: it chose this one for 15 of the 21 launch keys of the
-# main heads on the H200, the rest differing in their stages (4) or persistence alone
-# (benchmarks/results/trl-h200-v22.json, ``tuned_configs``); autotuning compiled each of its 5
-# candidates on the first call of every key (1-1.5 s a compile). Settings' ``tuned=False`` autotunes
-# there too (to re-derive the table: bench.py records the choices).
+# tiles, launched there without autotuning (its choice for the main heads: docs/design.md, "Two
+# logit kernels"). Settings' ``tuned=False`` autotunes there too, to re-derive it.
 TUNED = {(9, 0): (128, 64, 8, 3, True)}  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
 
 _capabilities: dict[torch.device, tuple[int, int]] = {}
