@@ -1198,7 +1198,7 @@ def _zero_rows_kernel(
              mask=row_mask[:, None] & (offs_c < n_cols)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "ignore_index"])
 def _targets_out_of_range_kernel(
     targets_ptr,  # [n_rows] int
     flag_ptr,  # [1] int32, zero on entry: set to 1 if a target is out of range
@@ -1216,7 +1216,7 @@ def _targets_out_of_range_kernel(
         tl.store(flag_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "ignore_index"])
 def _count_targets_kernel(
     targets_ptr,  # [n_rows] int: each row's column of this weight (out of range: none)
     counts_ptr,  # [V] int32, zero on entry: the rows of each column
@@ -1233,7 +1233,7 @@ def _count_targets_kernel(
     tl.atomic_add(counts_ptr + tl.where(counted, targets, 0), tl.full([BLOCK], 1, tl.int32), mask=counted)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "ignore_index", "rare_count", "improbable_count"])
 def _take_out_flags_kernel(
     targets_ptr,  # [n_rows] int
     counts_ptr,  # [V] int32 from _count_targets_kernel
@@ -1255,7 +1255,7 @@ def _take_out_flags_kernel(
     tl.store(flags_ptr + offs, tl.where(counted, flags, 0).to(tl.int8), mask=offs < n_rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _target_keys_kernel(
     targets_ptr,  # [n_rows] int
     target_grad_ptr,  # [n_rows] fp32 c of each row (0: no term)

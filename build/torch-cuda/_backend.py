@@ -36,6 +36,10 @@ class Backend(Protocol):
     def targets_out_of_range(self, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
         """A [] int32 flag, 1 if a target [N] is neither in [0, vocab_size) nor ``ignore_index``."""
 
+    def precompile(self, kind: str, device: torch.device) -> None:
+        """Readies the kernels of a call of ``kind`` ("loss", "metrics" or "tokens") on ``device``
+        before its first launch; the Triton backend compiles them in parallel threads."""
+
     def sweep_tiles(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
         """(vocabulary tiles a row block, programs a round) of the backend's persistent sweep, for
         chunks sized to fill its rounds; None where there are none."""

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._chunked import backend_for
 from ._dtensor import has_dtensor
 from ._ops import speculates, token_forward
 from ._options import LossOptions
@@ -125,6 +126,7 @@ def fused_linear_log_probs(
     targets_1d = targets.reshape(-1).contiguous()
     if targets_1d.dtype == torch.int32:  # compared in int64, as any ignore_index fits there
         targets_1d = targets_1d.long()
+    backend_for(hidden.device).precompile("tokens", hidden.device)
     target_check = _start_target_check(targets_1d, vocab_size, ignore_index) if _targets_checked(targets) else None
     # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
     options = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,

@@ -52,6 +52,10 @@ def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: i
     return out_of_range(targets, vocab_size, ignore_index).any().to(torch.int32)
 
 
+def precompile(kind: str, device: torch.device) -> None:
+    """Nothing: PyTorch's operators need no compilation."""
+
+
 def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """None: this backend's chunks have no rounds of tiles to fill."""
     return None

@@ -15,6 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _kernels as K
+from . import _precompile
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
 from ._settings import current as settings
 
@@ -210,6 +211,13 @@ def _max_programs(device: torch.device) -> int:
     if device not in _sm_counts:
         _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _sm_counts[device]
+
+
+def precompile(kind: str, device: torch.device) -> None:
+    """On a GPU, compiles in parallel threads the kernels that calls of ``kind`` compiled where
+    they were recorded (``_precompile``), once per process; a no-op in the interpreter."""
+    if device.type == "cuda":
+        _precompile.warm(kind, device)
 
 
 def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:

@@ -365,6 +365,8 @@ def fused_linear_cross_entropy(
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
     # The targets' range flag is queued first and read once the loss's work is queued behind
     # it: the host never waits for the loss itself, so the GPU does not idle at the check.
+    if not functorch:
+        backend_for(hidden.device).precompile("metrics" if return_metrics else "loss", hidden.device)
     target_check = (_start_target_check(targets_1d, total_vocab_size, ignore_index)
                     if _targets_checked(targets) and process_group is None else None)
     if bias is not None:

@@ -1,0 +1,114 @@
+"""Records, on a GPU, the Triton specialisations that each kind of call compiles, and writes them
+as ``torch-ext/fused_linear_ce/_specializations.py`` for ``_precompile`` (its key: this GPU's
+sm_XY; other GPUs' entries are kept). Each kind runs in its own process, with precompilation
+off, so that its first calls compile every kernel they launch; Triton's post-compile hook
+records each compilation as ``JITFunction.preload`` takes it.
+
+The calls are the main heads' training steps and forwards at 8192 rows (10% ignored, and none:
+TRL's heads gather the rows with a label) and at 5003 rows, bf16, with a softcap on Gemma-2's
+head; "tokens" takes SFT's outputs (log-probs, entropy, top-1, one weight a row: the sweep's
+gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7) and DPO's
+(log-probs alone). Re-record after changing a kernel's parameters or a launch's specialisation
+(``tests/test_precompile.py`` checks the parameters).
+
+    python scripts/record_specializations.py [--out PATH]
+"""
+
+import argparse
+import json
+import os
+import pprint
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "torch-ext" / "fused_linear_ce" / "_specializations.py"
+KINDS = ("loss", "metrics", "tokens")
+
+CHILD = r"""
+import importlib, json, sys, torch, triton
+sys.path.insert(0, {bench!r})
+from bench import ROWS, load_flce, make_inputs
+flce, _ = load_flce()
+importlib.import_module(flce.__name__ + "._settings").override(precompile=False).__enter__()
+backend = triton.compiler.make_backend(triton.runtime.driver.active.get_current_target())
+defaults = json.loads(json.dumps(backend.parse_options({{}}).__dict__))
+entries = {{}}
+
+def hook(key, repr, fn, compile, is_manual_warmup, already_compiled):
+    data = json.loads(compile["specialization_data"])
+    # Only the options a launch set: the others (libdevice's path among them) are the machine's.
+    data["options"] = {{k: v for k, v in data["options"].items() if defaults.get(k) != v}}
+    del data["name"], data["key"]
+    entries[key] = {{"module": fn.module.rsplit(".", 1)[-1], "kernel": fn.name, "key": key, "data": data}}
+
+triton.knobs.runtime.jit_post_compile_hook = hook
+kind = {kind!r}
+for row, n_rows, ignored, softcap in (("llama3", 8192, 0.1, None), ("llama3", 8192, 0.0, None),
+                                      ("llama3", 5003, 0.1, None), ("gemma2", 8192, 0.1, 30.0)):
+    hidden_size, vocab_size, _, dtype = ROWS[row]
+    hidden, weight, targets = make_inputs(n_rows, hidden_size, vocab_size, getattr(torch, dtype), "lm",
+                                          ignored_share=ignored)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    valid = targets != -100
+    if kind == "tokens":
+        sft = flce.fused_linear_log_probs(h, w, targets, softcap=softcap,
+                                          outputs=("log_probs", "entropy", "is_top1"))
+        (-sft.log_probs.sum() / valid.sum()).backward()
+        grpo = flce.fused_linear_log_probs(h, w, targets, softcap=softcap, temperature=0.7,
+                                           outputs=("log_probs", "entropy"))
+        advantage = torch.randn(n_rows, device="cuda")
+        (-(grpo.log_probs * advantage).sum() - 0.1 * grpo.entropy.sum()).backward()
+        flce.fused_linear_log_probs(h, w, targets, softcap=softcap).log_probs.sum().backward()
+        with torch.no_grad():
+            flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=("log_probs", "entropy"))
+    else:
+        out = flce.fused_linear_cross_entropy(h, w, targets, softcap=softcap, return_metrics=kind == "metrics")
+        (out[0] if isinstance(out, tuple) else out).backward()
+        with torch.no_grad():
+            flce.fused_linear_cross_entropy(h, w, targets, softcap=softcap, return_metrics=kind == "metrics")
+    torch.cuda.synchronize()
+    del hidden, weight, h, w
+print(json.dumps(list(entries.values())))
+"""
+
+
+def record(kind: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        run = subprocess.run([sys.executable, "-c", CHILD.format(bench=str(ROOT / "benchmarks"), kind=kind)],
+                             env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"{kind}: the recording failed\n{run.stderr[-4000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=TABLE)
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    major, minor = torch.cuda.get_device_capability()
+    namespace: dict = {}
+    exec(TABLE.read_text(), namespace)
+    recorded = namespace["RECORDED"]
+    kinds = {}
+    for kind in KINDS:
+        kinds[kind] = record(kind)
+        print(f"{kind}: {len(kinds[kind])} specialisations", flush=True)
+    recorded[f"sm_{major}{minor}"] = {
+        "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kinds": kinds,
+    }
+    header = TABLE.read_text().split("RECORDED")[0]
+    args.out.write_text(header + "RECORDED: dict = " + pprint.pformat(recorded, width=118, sort_dicts=False) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

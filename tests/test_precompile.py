@@ -1,0 +1,86 @@
+"""The recorded specialisations (``_specializations``) against the kernels' parameters, and on a
+recorded GPU, that a first call compiles its kernels in the parallel warm-up and none at its
+launches."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from conftest import HAS_CUDA, ROOT
+
+SOURCES = ROOT / "torch-ext" / "fused_linear_ce"
+KINDS = ("loss", "metrics", "tokens")
+
+
+def _parameters(module: str) -> dict[str, list[str]]:
+    tree = ast.parse((SOURCES / f"{module}.py").read_text())
+    return {node.name: [a.arg for a in node.args.args] for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+def _recorded() -> dict:
+    namespace: dict = {}
+    exec((SOURCES / "_specializations.py").read_text(), namespace)
+    return namespace["RECORDED"]
+
+
+def test_recorded_specializations_match_the_kernels():
+    """Every entry names a kernel that still takes the parameters it was recorded with: a kernel
+    whose parameters change needs ``scripts/record_specializations.py`` again (on the GPU), or its
+    first calls compile it at the launch again."""
+    recorded = _recorded()
+    assert "sm_90" in recorded  # the GPU the package ships a table for (Hopper)
+    for gpu, table in recorded.items():
+        for kind in KINDS:
+            entries = table["kinds"][kind]
+            assert entries, (gpu, kind)
+            for entry in entries:
+                parameters = _parameters(entry["module"])
+                assert entry["kernel"] in parameters, (gpu, kind, entry["kernel"])
+                assert list(entry["data"]["signature"]) == parameters[entry["kernel"]], (gpu, kind, entry["kernel"])
+                assert entry["key"] not in {e["key"] for e in entries if e is not entry}, (gpu, kind, "twice")
+
+
+CHILD = r"""
+import json, sys, threading, torch, triton
+sys.path.insert(0, {bench!r})
+from bench import ROWS, load_flce, make_inputs
+flce, _ = load_flce()
+compiled = {{"warm-up": 0, "launch": 0}}
+def hook(*args, **kwargs):
+    compiled["warm-up" if threading.current_thread().name.startswith("flce-compile") else "launch"] += 1
+triton.knobs.runtime.jit_post_compile_hook = hook
+hidden_size, vocab_size, n_rows, dtype = ROWS["llama3"]
+hidden, weight, targets = make_inputs(n_rows, hidden_size, vocab_size, getattr(torch, dtype), "lm")
+h, w = hidden.requires_grad_(), weight.requires_grad_()
+if {kind!r} == "tokens":
+    out = flce.fused_linear_log_probs(h, w, targets, outputs=("log_probs", "entropy", "is_top1"))
+    loss = -out.log_probs.sum() / (targets != -100).sum()
+else:
+    loss = flce.fused_linear_cross_entropy(h, w, targets, return_metrics={kind!r} == "metrics")
+    loss = loss[0] if isinstance(loss, tuple) else loss
+loss.backward()
+torch.cuda.synchronize()
+print(json.dumps(compiled))
+"""
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="compiles for a GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_first_call_compiles_in_the_warm_up_only(kind):
+    """A fresh process with an empty Triton cache: the first training call of each kind on the
+    recorded head (Llama-3, bf16) finds every kernel it launches compiled by the warm-up."""
+    major, minor = torch.cuda.get_device_capability()
+    if f"sm_{major}{minor}" not in _recorded():
+        pytest.skip(f"no specialisations recorded for sm_{major}{minor}")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        run = subprocess.run([sys.executable, "-c", CHILD.format(bench=str(ROOT / "benchmarks"), kind=kind)],
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    assert compiled["warm-up"] > 0 and compiled["launch"] == 0, compiled
