@@ -43,7 +43,8 @@ def hook(key, repr, fn, compile, is_manual_warmup, already_compiled):
     # Only the options a launch set: the others (libdevice's path among them) are the machine's.
     data["options"] = {{k: v for k, v in data["options"].items() if defaults.get(k) != v}}
     del data["name"], data["key"]
-    entries[key] = {{"module": fn.module.rsplit(".", 1)[-1], "kernel": fn.name, "key": key, "data": data}}
+    module = fn.module.rsplit(".", 1)[-1]
+    entries[module, fn.name, key] = {{"module": module, "kernel": fn.name, "key": key, "data": data}}
 
 triton.knobs.runtime.jit_post_compile_hook = hook
 kind = {kind!r}

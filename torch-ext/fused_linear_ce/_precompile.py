@@ -2,26 +2,31 @@
 
 A training step launches about a dozen Triton kernels. Compiled one after another at their
 first launch (Triton's passes, ptxas, then the C launcher that the system compiler builds for
-each signature), they make a first call on a fresh machine take about 10 s. The compilations
-are independent and spend most of their time outside Python's lock (MLIR's passes, ptxas and the
-C compiler), so that a thread each overlaps them.
+each signature), they make a first call on a fresh machine take 7 s or more. The compilations
+are independent, but much of their time holds Python's lock, so threads barely overlap them
+(docs/design.md, "The cold start"): forked processes compile them instead, into Triton's disk
+cache, where each kernel's first launch then finds it. A child only compiles (no CUDA call:
+its parent's CUDA state is not valid in it) and leaves with ``os._exit``.
 
 What to compile comes from ``_specializations``: for each kind of call, the specialisations
 that its first calls compiled on a GPU (``scripts/record_specializations.py``), in the form of
 Triton's ``JITFunction.preload``. Triton keys its compiled kernels by the arguments'
-specialisation, so a preloaded kernel serves exactly the launches that would have compiled it;
-one that no launch asks for costs a thread's work and nothing else. A call whose arguments
+specialisation, so a compiled entry serves exactly the launches that would have compiled it;
+one that no launch asks for costs a child's work and nothing else. A call whose arguments
 specialise otherwise (another GPU, Triton or dtype, a vocabulary that is not a multiple of 16)
 compiles what it lacks at its launch, as without this module.
 """
 
-import concurrent.futures
-import json
 import os
+import signal
 import threading
+import time
+import warnings
 
 import torch
 import triton
+import triton.language as tl
+from triton.runtime import driver
 
 from . import _kernels
 from ._settings import current as settings
@@ -50,36 +55,98 @@ def _table(device: torch.device) -> dict | None:
 
 
 def _pending(kind: str, device: int, table: dict) -> list[tuple]:
-    """(kernel, Triton's specialisation data) of ``kind`` that this process has not compiled."""
+    """(kernel, specialisation data) of ``kind`` that this process has not compiled."""
     pending = []
     for entry in table["kinds"][kind]:
         try:
             kernel = _kernel(entry["module"], entry["kernel"])
         except (ImportError, AttributeError):  # no Gluon here, or a kernel renamed since the recording
             continue
-        # The kernel's per-device cache is made here, on one thread: two threads making it at once
-        # would each fill their own.
-        compiled = kernel.device_caches[device][0]
-        if entry["key"] not in compiled:
-            data = {**entry["data"], "name": kernel._fn_name, "key": entry["key"]}
-            pending.append((kernel, json.dumps(data)))
+        if entry["key"] not in kernel.device_caches[device][0]:
+            pending.append((kernel, entry["data"]))
     return pending
 
 
-def _compile(kernel, data: str, device: int) -> None:
-    torch.cuda.set_device(device)
-    compiled = kernel.preload(data)
-    # The launcher and the module's load, else the first launch's work on the main thread.
-    init_handles = getattr(compiled, "_init_handles", None)
-    if init_handles is not None:
-        init_handles()
+def _source(kernel, data: dict):
+    """Triton's ASTSource of ``kernel`` for one recorded specialisation (as ``JITFunction.preload``
+    reads it, without its call for the current device)."""
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(data["constant_keys"], data["constant_vals"], strict=True)}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"], strict=True)}
+    signature = {k: tuple(v) if isinstance(v, list) else v for k, v in data["signature"].items()}
+    return kernel.ASTSource(kernel, signature, constexprs, attrs)
+
+
+def _compile_into_cache(work: list[tuple], device: int) -> None:
+    """In a forked child: compiles each (kernel, data) and builds its launcher, into Triton's cache."""
+    for kernel, data in work:
+        _, _, target, backend, _ = kernel.device_caches[device]
+        options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
+                                         for k, v in data["options"].items()})
+        compiled = kernel.compile(_source(kernel, data), target=target, options=options.__dict__)
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+
+
+def _split(pending: list[tuple], parts: int) -> list[list[tuple]]:
+    """``pending`` in ``parts`` groups of about equal work, the largest kernels (by parameter
+    count, a proxy for their compile time) first: each to the group with the least so far."""
+    groups: list[list[tuple]] = [[] for _ in range(parts)]
+    work = [0] * parts
+    for item in sorted(pending, key=lambda item: -len(item[1]["signature"])):
+        least = work.index(min(work))
+        groups[least].append(item)
+        work[least] += len(item[1]["signature"])
+    return [group for group in groups if group]
+
+
+def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 300.0) -> int:
+    """Compiles ``pending`` in forked children, one group each; returns how many of them
+    succeeded. Past ``timeout_s`` the children left are killed (their kernels then compile at
+    their launch)."""
+    for kernel, _ in pending:  # hashes that every child would compute, computed once here
+        _ = kernel.cache_key
+        kernel.device_caches[device][3].hash()
+    from triton.compiler.compiler import triton_key  # (a table is used only with the Triton it names)
+
+    triton_key()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    children = []
+    with warnings.catch_warnings():  # Python warns that forking a threaded process may deadlock
+        warnings.simplefilter("ignore", DeprecationWarning)  # in the child: it takes no lock of theirs
+        for group in _split(pending, min(len(pending), cpus)):
+            pid = os.fork()
+            if pid == 0:
+                status = 1
+                try:
+                    _compile_into_cache(group, device)
+                    status = 0
+                finally:
+                    os._exit(status)
+            children.append(pid)
+    deadline = time.monotonic() + timeout_s
+    succeeded = 0
+    while children:
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.remove(pid)
+                succeeded += os.waitstatus_to_exitcode(status) == 0
+        if children and time.monotonic() > deadline:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    return succeeded
 
 
 def warm(kind: str, device: torch.device) -> int:
-    """Compiles, in parallel threads, the kernels that the first calls of ``kind`` ("loss",
-    "metrics" or "tokens") compiled on this GPU, once per process and device; returns how many it
-    compiled (0 after the first call, or where nothing is recorded for this GPU and Triton). A
-    kernel that fails to compile here is left to its launch, which raises as it would have."""
+    """Compiles, in forked children, the kernels that the first calls of ``kind`` ("loss",
+    "metrics" or "tokens") compiled on this GPU, once per process and device; returns how many
+    children succeeded (0 after the first call, or where nothing is recorded for this GPU and
+    Triton). A kernel that failed to compile there compiles at its launch, which raises as it
+    would have."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (kind, index) in _warmed or not settings().precompile or torch.compiler.is_compiling():
         return 0
@@ -88,11 +155,5 @@ def warm(kind: str, device: torch.device) -> int:
             return 0
         _warmed.add((kind, index))
         table = _table(device)
-        pending = _pending(kind, index, table) if table is not None else []
-        if not pending:
-            return 0
-        workers = min(len(pending), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
-                      os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flce-compile") as pool:
-            futures = [pool.submit(_compile, kernel, data, index) for kernel, data in pending]
-        return sum(future.exception() is None for future in futures)
+        pending = _pending(kind, index, table) if table is not None and hasattr(os, "fork") else []
+        return _fork_and_compile(pending, index) if pending else 0
