@@ -27,10 +27,13 @@ hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr
 h, w = hidden.requires_grad_(), weight.requires_grad_()
 import importlib
 override = importlib.import_module(flce.__name__ + "._settings").override
+# (each override held by a name: a context manager collected at once would undo it)
 if {call!r} == "loss-untuned":  # compiling without autotuning: the first configuration of each key
-    override(autotune=False).__enter__()
+    untuned = override(autotune=False)
+    untuned.__enter__()
 if {call!r} == "loss-lazy":  # each kernel compiled at its first launch, one after another
-    override(precompile=False).__enter__()
+    lazy = override(precompile=False)
+    lazy.__enter__()
 def step():
     if {call!r} == "sft":
         out = flce.fused_linear_log_probs(h, w, targets, outputs=("log_probs", "entropy", "is_top1"))

@@ -125,8 +125,10 @@ def main():
     flce = get_kernel(REPO_ID, version=1, trust_remote_code=True)
     if args.interpret:
         # Larger tiles than the interpreter's defaults (16/32/16): fewer interpreted programs, 4x
-        # faster (the kernel's settings, overridden for the whole run: this block is never left).
-        sys.modules[f"{flce.__name__}._settings"].override(block_n=64, block_v=64, block_k=32).__enter__()
+        # faster (the kernel's settings, overridden for the whole run: this block is never left; the
+        # context manager is held by a name, as one collected at once would undo the override).
+        larger_tiles = sys.modules[f"{flce.__name__}._settings"].override(block_n=64, block_v=64, block_k=32)
+        larger_tiles.__enter__()
 
     data = torch.tensor(list(args.data.read_bytes()), dtype=torch.int64)
     split = int(0.9 * len(data))

@@ -33,7 +33,8 @@ import importlib, json, sys, torch, triton
 sys.path.insert(0, {bench!r})
 from bench import ROWS, load_flce, make_inputs
 flce, _ = load_flce()
-importlib.import_module(flce.__name__ + "._settings").override(precompile=False).__enter__()
+lazy = importlib.import_module(flce.__name__ + "._settings").override(precompile=False)
+lazy.__enter__()  # (held by a name: a context manager collected at once would undo it)
 backend = triton.compiler.make_backend(triton.runtime.driver.active.get_current_target())
 defaults = json.loads(json.dumps(backend.parse_options({{}}).__dict__))
 entries = {{}}

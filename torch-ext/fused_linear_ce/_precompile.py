@@ -107,7 +107,7 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 300.
     for kernel, _ in pending:  # hashes that every child would compute, computed once here
         _ = kernel.cache_key
         kernel.device_caches[device][3].hash()
-    from triton.compiler.compiler import triton_key  # (a table is used only with the Triton it names)
+    from triton.runtime.cache import triton_key  # (a table is used only with the Triton it names)
 
     triton_key()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
