@@ -42,6 +42,19 @@ def main() -> None:
     triton.compiler.compile = timed_compile
     triton.compile = timed_compile
     flce, _ = load_flce()
+    import importlib
+
+    precompile = importlib.import_module(flce.__name__ + "._precompile")
+    warm, warm_s = precompile.warm, []
+
+    def timed_warm(*a):
+        start = time.perf_counter()
+        try:
+            return warm(*a)
+        finally:
+            warm_s.append(time.perf_counter() - start)
+
+    precompile.warm = timed_warm
     hidden_size, vocab_size, n_tokens, dtype = ROWS[args.row]
     hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
     h, w = hidden.requires_grad_(), weight.requires_grad_()
@@ -57,11 +70,12 @@ def main() -> None:
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     total = sum(c["s"] for c in compilations)
-    print(f"{args.call}: first call {first:.2f} s, {len(compilations)} compilations {total:.2f} s")
+    print(f"{args.call}: first call {first:.2f} s, warm-up {sum(warm_s):.2f} s, {len(compilations)} compilations "
+          f"{total:.2f} s")
     for c in sorted(compilations, key=lambda c: -c["s"]):
         print(f"  {c['s']:6.2f} s  {c['kernel']}")
     Path(args.out).write_text(json.dumps({"call": args.call, "row": args.row, "first_call_s": first,
-                                          "compile_s": total, "compilations": compilations}, indent=1))
+                                          "compile_s": total, "warm_s": sum(warm_s), "compilations": compilations}, indent=1))
 
 
 if __name__ == "__main__":
