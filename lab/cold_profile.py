@@ -74,8 +74,9 @@ def main() -> None:
           f"{total:.2f} s")
     for c in sorted(compilations, key=lambda c: -c["s"]):
         print(f"  {c['s']:6.2f} s  {c['kernel']}")
-    Path(args.out).write_text(json.dumps({"call": args.call, "row": args.row, "first_call_s": first,
-                                          "compile_s": total, "warm_s": sum(warm_s), "compilations": compilations}, indent=1))
+    record = {"call": args.call, "row": args.row, "first_call_s": first, "compile_s": total, "warm_s": sum(warm_s),
+              "compilations": compilations}
+    Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

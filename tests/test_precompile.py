@@ -51,11 +51,11 @@ import importlib, json, os, subprocess, sys, torch
 sys.path.insert(0, {bench!r})
 from bench import ROWS, load_flce, make_inputs
 flce, _ = load_flce()
-# ptxas and the C compiler run for a kernel compiled here; for one found in Triton's cache, neither.
+# ptxas and the C compiler (its launcher) run for a kernel compiled here; for one found in the cache, neither.
 parent, compiled, popen = os.getpid(), {{"warm-up": 0, "launch": 0}}, subprocess.Popen.__init__
 def counting(self, args, *rest, **kwargs):
     tool = os.path.basename(str(args[0]))
-    if os.getpid() == parent and ("ptxas" in tool and "-o" in args or "-shared" in args):
+    if os.getpid() == parent and ("ptxas" in tool and "-o" in args or any("__triton_launcher" in str(a) for a in args)):
         compiled["launch"] += 1
     return popen(self, args, *rest, **kwargs)
 subprocess.Popen.__init__ = counting
