@@ -11,6 +11,7 @@ import io
 import pstats
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -19,16 +20,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench import ROWS, load_flce, make_inputs  # noqa: E402
 
 
+class ImportTracer:
+    """A finder that finds nothing: it prints the stack of the first import of each watched module."""
+
+    def __init__(self, watched):
+        self.watched, self.seen = watched, set()
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.watched and name not in self.seen:
+            self.seen.add(name)
+            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                      if "importlib" not in f.filename]
+            print(f"import {name}:\n  " + "\n  ".join(frames[-14:]))
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--call", default="loss", choices=["loss", "metrics"])
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--trace-imports", default="torch._dynamo,torch._higher_order_ops.triton_kernel_wrap,"
+                        "torch.distributed.fsdp,sympy")
     args = parser.parse_args()
     flce, _ = load_flce()
     hidden_size, vocab_size, n_tokens, dtype = ROWS["llama3"]
     hidden, weight, targets = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm")
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     torch.cuda.synchronize()
+    sys.meta_path.insert(0, ImportTracer(set(args.trace_imports.split(","))))
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()

@@ -1,6 +1,6 @@
-"""The recorded specialisations (``_specializations``) against the kernels' parameters, and on a
-recorded GPU, that a first call compiles its kernels in the parallel warm-up and none at its
-launches."""
+"""The cold start: eager calls that import no torch._dynamo, the recorded specialisations
+(``_specializations``) against the kernels' parameters, and on a recorded GPU, a first call
+whose kernels are all compiled by the parallel warm-up, none at their launches."""
 
 import ast
 import json
@@ -11,10 +11,35 @@ import tempfile
 
 import pytest
 import torch
-from conftest import HAS_CUDA, ROOT
+from conftest import DEVICE, HAS_CUDA, ROOT
 
 SOURCES = ROOT / "torch-ext" / "fused_linear_ce"
 KINDS = ("loss", "metrics", "tokens")
+
+
+EAGER_CHILD = r"""
+import sys, torch
+from kernels import get_kernel
+flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+hidden = torch.randn(24, 32, device={device!r}, requires_grad=True)
+weight = torch.randn(40, 32, device={device!r}, requires_grad=True)
+targets = torch.randint(0, 40, (24,), device={device!r})
+flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)[0].backward()
+flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none").sum().backward()  # recomputed
+out = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "entropy"))
+(out.log_probs.sum() + out.entropy.sum()).backward()
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_eager_calls_import_no_dynamo():
+    """Eager calls of both functions, with their backwards, run the operators' implementations
+    directly: a torch.library operator's first eager call imports torch._dynamo (and sympy), which
+    took 3 s of the H200's cold start."""
+    run = subprocess.run([sys.executable, "-c", EAGER_CHILD.format(device=DEVICE)], env=dict(os.environ),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "False"
 
 
 def _parameters(module: str) -> dict[str, list[str]]:

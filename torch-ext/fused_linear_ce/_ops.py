@@ -40,6 +40,14 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
 
+def _traced(op, eager):
+    """``op`` (a torch.library operator) where traced, else its implementation ``eager``: in eager
+    mode the operator's dispatch is host time at every call and, at the first, imports
+    torch._dynamo (PyTorch wraps the implementation to be skipped by it), 3 s of a cold start
+    (docs/design.md, "The cold start")."""
+    return op if torch.compiler.is_compiling() else eager
+
+
 _NUM_OPTIONS = LossOptions.num_op_args()
 _FORWARD_FLAGS = ("str reduction, bool return_metrics, bool grad_hidden, bool grad_weight, bool grad_bias, "
                   "bool lse_of_all_rows")
@@ -57,8 +65,7 @@ def _forward_args(args: tuple):
     return LossOptions.from_op_args(args), reduction, return_metrics, tuple(grads), all_rows
 
 
-@torch.library.custom_op(f"{NAMESPACE}::forward", mutates_args=(), schema=_FORWARD_SCHEMA)
-def forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
                *args) -> tuple[Tensor, ...]:
     """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias, prediction,
     correct, entropy) of the loss that ``args`` define: the ``LossOptions`` as flat arguments
@@ -81,6 +88,9 @@ def forward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | N
     )
 
 
+forward_op = torch.library.custom_op(f"{NAMESPACE}::forward", _forward, mutates_args=(), schema=_FORWARD_SCHEMA)
+
+
 @forward_op.register_fake
 def _(hidden, weight, targets, bias, class_weight, *args):
     _, reduction, return_metrics, (grad_hidden, grad_weight, grad_bias), _ = _forward_args(args)
@@ -101,8 +111,7 @@ def _(hidden, weight, targets, bias, class_weight, *args):
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::backward", mutates_args=(), schema=_BACKWARD_SCHEMA)
-def backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+def _backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
                 lse: Tensor, loss_grad: Tensor, lse_grad: Tensor | None, *args) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients by recomputation for a per-row ``loss_grad`` [N] (d out / d loss_i) and optional
     ``lse_grad`` [N]; ``args``: the ``LossOptions`` as flat arguments, then which gradients."""
@@ -111,6 +120,10 @@ def backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | 
         grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
                                   _shard(opts), class_weight)
     return tuple(_or_empty(g, hidden) for g in grads)
+
+
+backward_op = torch.library.custom_op(f"{NAMESPACE}::backward", _backward_grads, mutates_args=(),
+                                      schema=_BACKWARD_SCHEMA)
 
 
 @backward_op.register_fake
@@ -137,9 +150,8 @@ def _(x, scale):
 
 
 def _scale_in_place(x: Tensor, scale: Tensor) -> None:
-    """x *= scale: ``scale_op`` where traced, the backend's kernel directly in eager mode, where the
-    operator's dispatch is host time that the GPU waits for once a backward has synchronised."""
-    (scale_op if torch.compiler.is_compiling() else _scale)(x, scale)
+    """x *= scale: ``scale_op`` where traced, the backend's kernel directly in eager mode."""
+    _traced(scale_op, _scale)(x, scale)
 
 
 def _vmap_per_sample(op):
@@ -236,8 +248,9 @@ def _check_versions(watched: list) -> None:
             )
 
 
-def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want) -> list:
-    """Gradients (hidden, weight, bias) of the saved forward by recomputation."""
+def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want, functorch=False) -> list:
+    """Gradients (hidden, weight, bias) of the saved forward by recomputation (through the
+    operator under torch.func, which unwraps the transforms' tensors)."""
     hidden, weight, targets, bias, class_weight, lse = saved
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
@@ -245,7 +258,8 @@ def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_g
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
     row_grad, lse_grad = _chunked.recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
-    grads = backward_op(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
+    recompute = backward_op if functorch else _traced(backward_op, _backward_grads)
+    grads = recompute(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
 
@@ -305,6 +319,20 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerForward(torch.autograd.Function):
+    """``forward_op`` in eager mode: the same forward, context and backward without the operator's
+    dispatch (``_traced``)."""
+
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+
+def loss_forward(*args) -> tuple[Tensor, ...]:
+    """``forward_op(*args)``: the operator where traced, ``_EagerForward`` otherwise."""
+    return _traced(forward_op, _EagerForward.apply)(*args)
+
+
 class FunctorchLoss(torch.autograd.Function):
     """The loss under torch.func transforms (grad, vjp, jacrev, vmap, and compositions of them),
     which need an autograd.Function with ``setup_context``: a custom op's registered autograd is
@@ -332,7 +360,7 @@ class FunctorchLoss(torch.autograd.Function):
         want = (needs[0], needs[1], ctx.has_bias and needs[3])
         saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
+            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want, functorch=True)
         grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
         return grads[0], grads[1], None, grads[2], None, None, None, None
 
@@ -397,8 +425,7 @@ def _(hidden, weight, targets, bias, *args):
     )
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_backward", mutates_args=(), schema=_TOKEN_BACKWARD_SCHEMA)
-def token_backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
+def _token_backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
                       loss_grad: Tensor, lse_grad: Tensor | None, entropy_grad: Tensor | None,
                       *args) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients by recomputation for the per-row coefficients: ``loss_grad`` [N] of the loss
@@ -409,6 +436,10 @@ def token_backward_op(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Ten
         grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
                                   entropy_grad=entropy_grad)
     return tuple(_or_empty(g, hidden) for g in grads)
+
+
+token_backward_op = torch.library.custom_op(f"{NAMESPACE}::token_backward", _token_backward_grads, mutates_args=(),
+                                            schema=_TOKEN_BACKWARD_SCHEMA)
 
 
 @token_backward_op.register_fake
@@ -510,8 +541,9 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     if entropy_grad is not None:
         row_entropy_grad = torch.where(valid, entropy_grad.to(lse.dtype), zero).contiguous()
         row_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
-    grads = token_backward_op(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad,
-                              row_entropy_grad, *opts.op_args(), *want)
+    grads = _traced(token_backward_op, _token_backward_grads)(
+        hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, row_entropy_grad, *opts.op_args(),
+        *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
 
@@ -531,6 +563,4 @@ class _EagerTokenForward(torch.autograd.Function):
 
 def token_forward(*args) -> tuple[Tensor, ...]:
     """``token_forward_op(*args)``: the operator where traced, ``_EagerTokenForward`` otherwise."""
-    if torch.compiler.is_compiling():
-        return token_forward_op(*args)
-    return _EagerTokenForward.apply(*args)
+    return _traced(token_forward_op, _EagerTokenForward.apply)(*args)

@@ -12,7 +12,7 @@ from . import _torch_backend
 from ._chunked import backend_for
 from ._distributed import check_ranks_agree, vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
-from ._ops import FORWARD_AD_ERROR, FunctorchLoss, forward_op
+from ._ops import FORWARD_AD_ERROR, FunctorchLoss, loss_forward
 from ._options import LossOptions, accumulation_dtype
 from ._settings import current as settings
 
@@ -389,7 +389,7 @@ def fused_linear_cross_entropy(
         # smoothing or a z-loss (terms the stored-logits pass does not weight) always recompute.
         in_forward = (any(needs) and reduction != "none" and not return_lse and hidden.dtype != torch.float64
                       and not (class_weight is not None and (label_smoothing != 0 or z_loss_scale != 0)))
-        loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = forward_op(
+        loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = loss_forward(
             hidden_2d, weight, targets_1d, bias, class_weight, *options.op_args(), reduction, bool(return_metrics),
             *(in_forward and n for n in needs),
             bool(return_lse),
