@@ -40,12 +40,16 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     return like.new_empty(0) if t is None else t
 
 
-def _traced(op, eager):
-    """``op`` (a torch.library operator) where traced, else its implementation ``eager``: in eager
-    mode the operator's dispatch is host time at every call and, at the first, imports
-    torch._dynamo (PyTorch wraps the implementation to be skipped by it), 3 s of a cold start
-    (docs/design.md, "The cold start")."""
-    return op if torch.compiler.is_compiling() else eager
+def _traced(op, eager, probe: Tensor):
+    """``op`` (a torch.library operator) where traced, else its implementation ``eager``. Traced:
+    while dynamo compiles, or where ``probe`` (one of the call's tensors) is of a subclass, as the
+    fake and functional tensors that AOTAutograd traces a compiled backward with. In eager mode the
+    operator's dispatch is host time at every call and, at the first, imports torch._dynamo
+    (PyTorch wraps the implementation to be skipped by it), 3 s of a cold start (docs/design.md,
+    "The cold start")."""
+    if torch.compiler.is_compiling() or type(probe) not in (Tensor, torch.nn.Parameter):
+        return op
+    return eager
 
 
 _NUM_OPTIONS = LossOptions.num_op_args()
@@ -151,7 +155,7 @@ def _(x, scale):
 
 def _scale_in_place(x: Tensor, scale: Tensor) -> None:
     """x *= scale: ``scale_op`` where traced, the backend's kernel directly in eager mode."""
-    _traced(scale_op, _scale)(x, scale)
+    _traced(scale_op, _scale, x)(x, scale)
 
 
 def _vmap_per_sample(op):
@@ -258,7 +262,7 @@ def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_g
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
     row_grad, lse_grad = _chunked.recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
-    recompute = backward_op if functorch else _traced(backward_op, _backward_grads)
+    recompute = backward_op if functorch else _traced(backward_op, _backward_grads, hidden)
     grads = recompute(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
@@ -330,7 +334,7 @@ class _EagerForward(torch.autograd.Function):
 
 def loss_forward(*args) -> tuple[Tensor, ...]:
     """``forward_op(*args)``: the operator where traced, ``_EagerForward`` otherwise."""
-    return _traced(forward_op, _EagerForward.apply)(*args)
+    return _traced(forward_op, _EagerForward.apply, args[0])(*args)
 
 
 class FunctorchLoss(torch.autograd.Function):
@@ -541,7 +545,7 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     if entropy_grad is not None:
         row_entropy_grad = torch.where(valid, entropy_grad.to(lse.dtype), zero).contiguous()
         row_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
-    grads = _traced(token_backward_op, _token_backward_grads)(
+    grads = _traced(token_backward_op, _token_backward_grads, hidden)(
         hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, row_entropy_grad, *opts.op_args(),
         *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
@@ -563,4 +567,4 @@ class _EagerTokenForward(torch.autograd.Function):
 
 def token_forward(*args) -> tuple[Tensor, ...]:
     """``token_forward_op(*args)``: the operator where traced, ``_EagerTokenForward`` otherwise."""
-    return _traced(token_forward_op, _EagerTokenForward.apply)(*args)
+    return _traced(token_forward_op, _EagerTokenForward.apply, args[0])(*args)
