@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, ROOT
+from conftest import DEVICE, HAS_CUDA, ROOT, submodule
 
 SOURCES = ROOT / "torch-ext" / "fused_linear_ce"
 KINDS = ("loss", "metrics", "tokens")
@@ -121,3 +121,19 @@ def test_first_call_compiles_in_the_warm_up_only(kind):
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
     assert compiled["warm-up"] > 0 and compiled["launch"] == 0, compiled
+
+
+def test_split_balances_the_work(flce):
+    """The warm-up's groups (one forked child each): every entry in exactly one group, the four
+    largest kernels each leading a group, and the groups' work (parameter counts, the proxy of
+    compile time) within the smallest entry of each other here, 36 40 36 40, where dealing the
+    entries out in turn would give 49 43 36 24."""
+    precompile = submodule(flce, "_precompile")
+    sizes = [36, 35, 30, 12, 8, 8, 6, 6, 6, 5]
+    pending = [(f"kernel{i}", {"signature": dict.fromkeys(range(n))}) for i, n in enumerate(sizes)]
+    groups = precompile._split(pending, 4)
+    names = sorted(name for group in groups for name, _ in group)
+    assert names == sorted(name for name, _ in pending)
+    assert [group[0][0] for group in groups] == ["kernel0", "kernel1", "kernel2", "kernel3"]
+    work = [sum(len(data["signature"]) for _, data in group) for group in groups]
+    assert max(work) - min(work) <= min(sizes)

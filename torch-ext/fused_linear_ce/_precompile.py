@@ -100,21 +100,28 @@ def _split(pending: list[tuple], parts: int) -> list[list[tuple]]:
     return [group for group in groups if group]
 
 
-def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 300.0) -> int:
+def _cpus() -> int:
+    """CPUs this process may use, shared with the other ranks of its node (``LOCAL_WORLD_SIZE``,
+    as torchrun sets it), which warm up at the same time."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, cpus // int(ranks)) if ranks.isdigit() and int(ranks) > 0 else cpus
+
+
+def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0) -> int:
     """Compiles ``pending`` in forked children, one group each; returns how many of them
-    succeeded. Past ``timeout_s`` the children left are killed (their kernels then compile at
-    their launch)."""
+    succeeded. Past ``timeout_s`` (a compile takes seconds) the children left are killed: their
+    kernels then compile at their launch."""
     for kernel, _ in pending:  # hashes that every child would compute, computed once here
         _ = kernel.cache_key
         kernel.device_caches[device][3].hash()
     from triton.runtime.cache import triton_key  # (a table is used only with the Triton it names)
 
     triton_key()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     children = []
     with warnings.catch_warnings():  # Python warns that forking a threaded process may deadlock
         warnings.simplefilter("ignore", DeprecationWarning)  # in the child: it takes no lock of theirs
-        for group in _split(pending, min(len(pending), cpus)):
+        for group in _split(pending, min(len(pending), _cpus())):
             pid = os.fork()
             if pid == 0:
                 status = 1
