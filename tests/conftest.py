@@ -34,7 +34,9 @@ settings.load_profile("default")
 def flce():
     """The kernel as users load it: ``get_kernel`` with the card's arguments. Correctness tests
     on the GPU launch one configuration of the logit kernel: autotuning a new one for every
-    (H, V) the tests draw would cost minutes (test_loss.py checks the autotuned launch once)."""
+    (H, V) the tests draw would cost minutes (test_loss.py checks the autotuned launch once). Nor
+    do they warm up the recorded specialisations, which their small shapes do not take
+    (test_precompile.py checks the warm-up in fresh processes)."""
     from kernels import get_kernel
 
     kernel = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
@@ -44,7 +46,7 @@ def flce():
     # in the tests after it. Imported here, under this file's TRITON_INTERPRET, whatever the order.
     if importlib.util.find_spec("triton") is not None:
         submodule(kernel, "_triton_backend")
-    with submodule(kernel, "_settings").override(autotune=False):
+    with submodule(kernel, "_settings").override(autotune=False, precompile=False):
         yield kernel
 
 
