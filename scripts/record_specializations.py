@@ -17,7 +17,6 @@ gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7)
 import argparse
 import json
 import os
-import pprint
 import subprocess
 import sys
 import tempfile
@@ -107,9 +106,22 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kinds": kinds,
     }
-    header = TABLE.read_text().split("RECORDED")[0]
-    args.out.write_text(header + "RECORDED: dict = " + pprint.pformat(recorded, width=118, sort_dicts=False) + "\n")
+    args.out.write_text(render(recorded, TABLE.read_text().split("RECORDED")[0]))
     print(f"wrote {args.out}")
+
+
+def render(recorded: dict, header: str) -> str:
+    """The table as a Python module: ``header`` (the docstring), then one line an entry."""
+    lines = [header.rstrip() + "\n", "RECORDED: dict = {"]
+    for gpu, table in recorded.items():
+        about = {k: v for k, v in table.items() if k != "kinds"}
+        lines.append(f"    {gpu!r}: {{{repr(about)[1:-1]}, 'kinds': {{")
+        for kind, entries in table["kinds"].items():
+            lines.append(f"        {kind!r}: [")
+            lines += [f"            {entry!r}," for entry in entries]
+            lines.append("        ],")
+        lines.append("    }},")
+    return "\n".join(lines) + "\n}\n"
 
 
 if __name__ == "__main__":
