@@ -122,7 +122,10 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0
     with warnings.catch_warnings():  # Python warns that forking a threaded process may deadlock
         warnings.simplefilter("ignore", DeprecationWarning)  # in the child: it takes no lock of theirs
         for group in _split(pending, min(len(pending), _cpus())):
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:  # no memory or process left for a child: the rest compile at their launches
+                break
             if pid == 0:
                 status = 1
                 try:

@@ -81,6 +81,8 @@ def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | Non
     classes. Rows with an ignored target are skipped (lse 0, prediction -1) unless
     ``lse_of_all_rows``."""
     opts, reduction, return_metrics, grads, all_rows = _forward_args(args)
+    # (the public function warms up too, before its range check; a compiled graph reaches only this)
+    _chunked.backend_for(hidden.device).precompile("metrics" if return_metrics else "loss", hidden.device)
     with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
         res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, grads, _shard(opts), class_weight,
                                all_rows=all_rows, return_metrics=return_metrics)
@@ -393,6 +395,7 @@ def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
     not asked for. Rows whose target is ``ignore_index`` get 0 (False) everywhere."""
     opts = LossOptions.from_op_args(args)
     _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    _chunked.backend_for(hidden.device).precompile("tokens", hidden.device)  # (as in _forward)
     with _no_autocast(hidden):
         res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
                                logit_sum=logit_sum, sum_sq=sum_sq, match_training=True)
