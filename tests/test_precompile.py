@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import types
 
 import pytest
 import torch
@@ -137,3 +139,37 @@ def test_split_balances_the_work(flce):
     assert [group[0][0] for group in groups] == ["kernel0", "kernel1", "kernel2", "kernel3"]
     work = [sum(len(data["signature"]) for _, data in group) for group in groups]
     assert max(work) - min(work) <= min(sizes)
+
+
+class _StubKernel:
+    """What ``_fork_and_compile`` reads of a kernel before forking: its hashes."""
+
+    cache_key = "source hash"
+
+    def __init__(self):
+        self.device_caches = {0: (None, None, None, types.SimpleNamespace(hash=lambda: "backend hash"), None)}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the warm-up forks (POSIX)")
+def test_children_compile_every_group_and_are_killed_past_the_deadline(flce, tmp_path, monkeypatch):
+    """The fork and wait of the warm-up, with a stand-in for the compilation: every entry is
+    handled in a child (not this process), each child's success is counted, and a child still
+    running at the deadline is killed, its entries left to their launches."""
+    precompile = submodule(flce, "_precompile")
+
+    def compile_into_cache(work, device):
+        for _, data in work:
+            if data["hang"]:
+                time.sleep(120)
+            (tmp_path / data["name"]).write_text(str(os.getpid()))
+
+    monkeypatch.setattr(precompile, "_compile_into_cache", compile_into_cache)
+    pending = [(_StubKernel(), {"signature": {"x": 0}, "name": f"entry{i}", "hang": False}) for i in range(5)]
+    assert precompile._fork_and_compile(pending, 0) == min(5, precompile._cpus())
+    written = {path.name: path.read_text() for path in tmp_path.iterdir()}
+    assert sorted(written) == [f"entry{i}" for i in range(5)]
+    assert str(os.getpid()) not in written.values()
+    start = time.monotonic()
+    hung = [(_StubKernel(), {"signature": {"x": 0}, "name": "hung", "hang": True})]
+    assert precompile._fork_and_compile(hung, 0, timeout_s=0.5) == 0
+    assert time.monotonic() - start < 10 and not (tmp_path / "hung").exists()

@@ -17,6 +17,7 @@ specialise otherwise (another GPU, Triton or dtype, a vocabulary that is not a m
 compiles what it lacks at its launch, as without this module.
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -32,7 +33,6 @@ from . import _kernels
 from ._settings import current as settings
 from ._specializations import RECORDED
 
-KINDS = ("loss", "metrics", "tokens")
 _warmed: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 
@@ -138,14 +138,19 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0
     succeeded = 0
     while children:
         for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (SIGCHLD ignored): its status is lost
+                children.remove(pid)
+                continue
             if done:
                 children.remove(pid)
                 succeeded += os.waitstatus_to_exitcode(status) == 0
         if children and time.monotonic() > deadline:
             for pid in children:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
             break
         time.sleep(0.005)
     return succeeded
