@@ -38,7 +38,7 @@ class Backend(Protocol):
 
     def precompile(self, kind: str, device: torch.device) -> None:
         """Readies the kernels of a call of ``kind`` ("loss", "metrics" or "tokens") on ``device``
-        before its first launch; the Triton backend compiles them in parallel threads."""
+        before its first launch; the Triton backend compiles them in parallel, forked processes."""
 
     def sweep_tiles(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
         """(vocabulary tiles a row block, programs a round) of the backend's persistent sweep, for

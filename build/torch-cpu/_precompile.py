@@ -2,7 +2,7 @@
 
 A training step launches about a dozen Triton kernels. Compiled one after another at their
 first launch (Triton's passes, ptxas, then the C launcher that the system compiler builds for
-each signature), they make a first call on a fresh machine take 7 s or more. The compilations
+each signature), they make most of a first call's time on a fresh machine. The compilations
 are independent, but much of their time holds Python's lock, so threads barely overlap them
 (docs/design.md, "The cold start"): forked processes compile them instead, into Triton's disk
 cache, where each kernel's first launch then finds it. A child only compiles (no CUDA call:

@@ -214,7 +214,7 @@ def _max_programs(device: torch.device) -> int:
 
 
 def precompile(kind: str, device: torch.device) -> None:
-    """On a GPU, compiles in parallel threads the kernels that calls of ``kind`` compiled where
+    """On a GPU, compiles in forked processes the kernels that calls of ``kind`` compiled where
     they were recorded (``_precompile``), once per process; a no-op in the interpreter."""
     if device.type == "cuda":
         _precompile.warm(kind, device)

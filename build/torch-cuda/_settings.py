@@ -59,9 +59,9 @@ class Settings:
     of the autotuner; False: autotuned there too (to re-derive the table)."""
 
     precompile: bool = True
-    """Whether the first call of a kind compiles its Triton kernels in parallel threads, from the
-    specialisations recorded on this GPU (``_precompile``); False: each kernel compiles at its first
-    launch, one after another."""
+    """Whether the first call of a kind compiles its Triton kernels in parallel, forked processes,
+    from the specialisations recorded on this GPU (``_precompile``); False: each kernel compiles at
+    its first launch, one after another."""
 
     config: tuple[int, int, int, int, bool] | None = None
     """One forced configuration of the logit kernel on a GPU, (BLOCK_N, BLOCK_K, warps, stages,

@@ -41,13 +41,15 @@ def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _traced(op, eager, probe: Tensor):
-    """``op`` (a torch.library operator) where traced, else its implementation ``eager``. Traced:
-    while dynamo compiles, or where ``probe`` (one of the call's tensors) is of a subclass, as the
-    fake and functional tensors that AOTAutograd traces a compiled backward with. In eager mode the
-    operator's dispatch is host time at every call and, at the first, imports torch._dynamo
-    (PyTorch wraps the implementation to be skipped by it), 3 s of a cold start (docs/design.md,
-    "The cold start")."""
-    if torch.compiler.is_compiling() or type(probe) not in (Tensor, torch.nn.Parameter):
+    """``op`` (a torch.library operator) where traced or transformed, else its implementation
+    ``eager``. Traced: while dynamo compiles, or where ``probe`` (one of the call's tensors) is of a
+    subclass, as the fake and functional tensors that AOTAutograd traces a compiled backward with;
+    transformed: ``probe`` wrapped by a torch.func transform, which the operator unwraps. In eager
+    mode the operator's dispatch is host time at every call and, at the first, imports
+    torch._dynamo, as PyTorch wraps the implementation to be skipped by it (docs/design.md, "The
+    cold start")."""
+    if (torch.compiler.is_compiling() or type(probe) not in (Tensor, torch.nn.Parameter)
+            or torch._C._functorch.is_functorch_wrapped_tensor(probe)):
         return op
     return eager
 
@@ -254,9 +256,8 @@ def _check_versions(watched: list) -> None:
             )
 
 
-def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want, functorch=False) -> list:
-    """Gradients (hidden, weight, bias) of the saved forward by recomputation (through the
-    operator under torch.func, which unwraps the transforms' tensors)."""
+def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want) -> list:
+    """Gradients (hidden, weight, bias) of the saved forward by recomputation."""
     hidden, weight, targets, bias, class_weight, lse = saved
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
@@ -264,8 +265,8 @@ def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_g
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
     row_grad, lse_grad = _chunked.recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
-    recompute = backward_op if functorch else _traced(backward_op, _backward_grads, hidden)
-    grads = recompute(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, *opts.op_args(), *want)
+    grads = _traced(backward_op, _backward_grads, hidden)(hidden, weight, targets, bias, class_weight, lse, row_grad,
+                                                          lse_grad, *opts.op_args(), *want)
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
 
@@ -366,7 +367,7 @@ class FunctorchLoss(torch.autograd.Function):
         want = (needs[0], needs[1], ctx.has_bias and needs[3])
         saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want, functorch=True)
+            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
         grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
         return grads[0], grads[1], None, grads[2], None, None, None, None
 
