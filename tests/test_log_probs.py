@@ -124,22 +124,59 @@ def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sft_gradients_from_the_sweep(flce, dtype):
-    """SFT's loss (-sum log_probs / n): the backward finds equal weights and takes the gradients
-    the forward's sweep computed, scaled; they match float64 autograd, step after step."""
+@pytest.mark.parametrize("normaliser", ["rows", "sum", "other"])
+def test_sft_gradients_from_the_sweep(flce, dtype, normaliser):
+    """SFT's loss, -sum log_probs / n: the backward finds equal weights and takes the gradients
+    the forward's sweep computed (those of the mean over the rows with a target: untouched when n
+    is their count, scaled otherwise); they match float64 autograd, step after step."""
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=6, ignore=0.2)
-    n_valid = (targets != -100).sum()
+    n = {"rows": (targets != -100).sum(), "sum": 1, "other": 7}[normaliser]
     outputs = ("log_probs", "entropy", "is_top1")
     ops = submodule(flce, "_ops")
     ops._uniform_grads.pop("entropy,is_top1,log_probs", None)  # as a fresh process: no earlier backward's verdict
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
-    (-reference(h64, w64, targets)["log_probs"].sum() / n_valid).backward()
+    (-reference(h64, w64, targets)["log_probs"].sum() / n).backward()
     for step in range(2):
         got = _grads(lambda: -flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.sum()
-                     / n_valid, (hidden, weight))
+                     / n, (hidden, weight))
         assert ops.speculates("entropy,is_top1,log_probs")
         for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
             assert_rel(g, e, tolerance(dtype, "grad"), f"step {step} {name}")
+
+
+@pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])
+def test_mean_grad_ratio(flce, backend_name):
+    """The backward's test of the per-token gradient: uniform on the rows with a target (the others
+    do not count), and the ratio to the mean's weight 1 / count, exactly 1 for the gradient that
+    PyTorch's autograd gives -sum / count."""
+    device = DEVICE if backend_name == "_triton_backend" else "cpu"
+    backend = submodule(flce, backend_name)
+    gen = torch.Generator().manual_seed(11)
+    for n_rows in (1, 37, 3000):
+        targets = torch.randint(0, 50, (n_rows,), generator=gen)
+        targets[torch.rand(n_rows, generator=gen) < 0.3] = -100
+        targets[-1] = 3  # at least one row with a target
+        count = int((targets != -100).sum())
+        log_probs = torch.randn(n_rows, generator=gen, requires_grad=True)
+        (-log_probs.sum() / (targets != -100).sum()).backward()
+        mean_grad = log_probs.grad.to(device)  # -1 / count on every row, from autograd
+        noisy = torch.where(targets != -100, mean_grad, torch.randn(n_rows, generator=gen).to(device))
+        cases = [(mean_grad, 1.0, True), (noisy, 1.0, True), (2.5 * mean_grad, 2.5, True), (-mean_grad * count, -count, True)]
+        if count > 1:
+            differs = mean_grad.clone()
+            differs[int(torch.nonzero(targets != -100)[0])] *= 2
+            cases.append((differs, None, False))
+            with_nan = mean_grad.clone()
+            with_nan[-1] = float("nan")
+            cases.append((with_nan, None, False))
+        t = targets.to(device)
+        for grad, ratio, uniform in cases:
+            got_ratio, got_uniform = backend.mean_grad_ratio(grad.contiguous(), t, -100)
+            assert bool(got_uniform.item()) is uniform, (n_rows, ratio)
+            if ratio == 1.0:
+                assert got_ratio.item() == 1.0  # exactly: no pass over the gradients then
+            elif ratio is not None:
+                assert got_ratio.item() == pytest.approx(ratio, rel=1e-6)  # two fp32 roundings
 
 
 def test_unequal_weights_after_the_sweep_recompute(flce):

@@ -590,7 +590,8 @@ class _ForwardStep:
     references taken for every row before the chunks."""
 
     def __init__(self, hidden, weight, targets, bias, opts: LossOptions, reduction: str, grads, shard, class_weight,
-                 all_rows: bool, return_metrics: bool, logit_sum: bool, sum_sq: bool, match_training: bool):
+                 all_rows: bool, return_metrics: bool, logit_sum: bool, sum_sq: bool, match_training: bool,
+                 grad_reduction: str):
         n_rows, hidden_size = hidden.shape
         vocab_size = weight.shape[0]
         device = hidden.device
@@ -601,7 +602,7 @@ class _ForwardStep:
         self.return_metrics, self.logit_sum, self.sum_sq = return_metrics, logit_sum, sum_sq
         self.f32 = dict(device=device, dtype=accumulation_dtype(hidden.dtype))  # float64 for float64 inputs
         self.training = training = any(grads) and n_rows > 0
-        self.row_order = row_order = _row_order(backend, targets, opts, reduction, all_rows)
+        self.row_order = row_order = _row_order(backend, targets, opts, grad_reduction, all_rows)
         # Under vocabulary parallelism every rank plans the same chunks: the 128-row blocks of all.
         self.row_block = 128 if shard is not None else backend.row_block(hidden.dtype, opts, bias is not None,
                                                                          training, return_metrics, device)
@@ -628,8 +629,8 @@ class _ForwardStep:
         self.buffer = self.loss_grad = None
         if training:
             self.buffer = backend.new_buffer(self.first, vocab_size, hidden.dtype, device)
-            self.loss_grad = _sweep_loss_grad(targets, opts, reduction, row_order, self.row_weight, self.weight_sum,
-                                              vocab_size)
+            self.loss_grad = _sweep_loss_grad(targets, opts, grad_reduction, row_order, self.row_weight,
+                                              self.weight_sum, vocab_size)
         # (only grad_weight gains from it: grad_hidden's target term is exact either way)
         self.take_out = (_rare_target_rows(backend, self.slice_targets, vocab_size, opts.ignore_index)
                          if self.factored and grads[1] else None)
@@ -780,7 +781,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
             return_metrics: bool = False, logit_sum: bool = False, sum_sq: bool = False,
-            match_training: bool = False) -> ForwardResult:
+            match_training: bool = False, grad_reduction: str | None = None) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
     With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
@@ -791,13 +792,15 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
 
     With ``match_training``, where a training step takes the factored gradient, a forward
     without gradients takes its statistics against the same row references, so that metrics and
-    per-row results are the same bit for bit with or without gradients.
+    per-row results are the same bit for bit with or without gradients. ``grad_reduction``
+    (default: ``reduction``) is the reduction whose gradients the sweep computes: the per-token
+    outputs take those of the mean, as a trainer's loss usually is.
 
     The chunks go through one of three loops: the factored training step (``_factored_chunks``),
     the forward without gradients (``_statistics_chunks``), and training from a stored buffer
     (``_stored_chunks``: without the factored gradient, or under vocabulary parallelism)."""
     step = _ForwardStep(hidden, weight, targets, bias, opts, reduction, grads, shard, class_weight, all_rows,
-                        return_metrics, logit_sum, sum_sq, match_training)
+                        return_metrics, logit_sum, sum_sq, match_training, grad_reduction or reduction)
     if step.factored and shard is None:
         _factored_chunks(step)
     elif step.training:

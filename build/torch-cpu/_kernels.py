@@ -1026,8 +1026,8 @@ def _order_rows_kernel(
     if tl.program_id(0) == 0:
         tl.store(count_ptr, kept.to(tl.int64))
     row_grad = 1.0
-    if MEAN:
-        row_grad = 1.0 / kept.to(tl.float32)
+    if MEAN:  # rounded as PyTorch's 1 / n: a trainer's mean gives its rows this weight bit for bit
+        row_grad = tl.math.div_rn(1.0, kept.to(tl.float32))
     tl.store(loss_grad_ptr + offs, tl.where(offs < kept, row_grad, 0.0), mask=mask)
 
 
@@ -1214,6 +1214,45 @@ def _targets_out_of_range_kernel(
     bad = (offs < n_rows) & ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
     if tl.max(bad.to(tl.int32), axis=0) > 0:
         tl.store(flag_ptr, 1)
+
+
+@triton.jit(do_not_specialize=["n_rows", "ignore_index"])
+def _mean_grad_ratio_kernel(
+    row_grad_ptr,  # [n_rows] fp32: d out / d log_probs_i
+    targets_ptr,  # [n_rows] int
+    ratio_ptr,  # [1] fp32 out: -c / w
+    uniform_ptr,  # [1] int32 out: 1 if every row with a target has the same gradient c
+    n_rows,
+    ignore_index,
+    BLOCK: tl.constexpr,
+):
+    """Whether a per-token backward's gradient of log_probs is one value c on every row with a
+    target, and the ratio -c / w, with w = 1 / count the weight of a mean over those rows (both
+    divisions rounded as PyTorch's): the sweep's gradients of the mean of -log_probs times the
+    ratio are the wanted ones, and the ratio is exactly 1 where c = -1 / count. One program:
+    the rows of a call are a few thousand (a NaN gradient is never uniform)."""
+    offs = tl.arange(0, BLOCK)
+    first = tl.full([BLOCK], n_rows, dtype=tl.int32)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offs
+        targets = tl.load(targets_ptr + rows, mask=rows < n_rows, other=ignore_index)
+        valid = (rows < n_rows) & (targets != ignore_index)
+        count += valid.to(tl.int32)
+        first = tl.minimum(first, tl.where(valid, rows, n_rows))
+    count = tl.sum(count, axis=0)
+    first = tl.min(first, axis=0)
+    common = tl.load(row_grad_ptr + first, mask=first < n_rows, other=0.0)
+    differ = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offs
+        targets = tl.load(targets_ptr + rows, mask=rows < n_rows, other=ignore_index)
+        valid = (rows < n_rows) & (targets != ignore_index)
+        grad = tl.load(row_grad_ptr + rows, mask=valid, other=0.0)
+        differ += (valid & (grad != common)).to(tl.int32)
+    weight = tl.math.div_rn(1.0, tl.maximum(count, 1).to(tl.float32))
+    tl.store(ratio_ptr, tl.math.div_rn(-common, weight))
+    tl.store(uniform_ptr, (tl.sum(differ, axis=0) == 0).to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["n_rows", "ignore_index"])

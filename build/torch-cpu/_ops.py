@@ -328,10 +328,17 @@ forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerForward(torch.autograd.Function):
     """``forward_op`` in eager mode: the same forward, context and backward without the operator's
-    dispatch (``_traced``)."""
+    dispatch (``_traced``). Its ``forward`` takes ``ctx`` rather than having a ``setup_context``:
+    with one, ``Function.apply`` binds the arguments to ``forward``'s signature through
+    ``inspect`` at every call, host time that the GPU waits for where the caller has just
+    synchronised."""
 
-    forward = staticmethod(_forward)
-    setup_context = staticmethod(_setup_context)
+    @staticmethod
+    def forward(ctx, *args):
+        output = _forward(*args)
+        _setup_context(ctx, args, output)
+        return output
+
     backward = staticmethod(_backward)
 
 
@@ -392,14 +399,15 @@ def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
     grad_bias), all per row [N] but the gradients, of the loss options in ``args`` (flat, then
     the outputs' names, which statistics: metrics (entropy and is_top1), the logit sum, the sum of
     squares, then which gradients to compute in the same sweep). Statistics not asked for are empty. The gradients are
-    those of -sum_i log_probs_i (d out / d log_probs_i = -1 on every row with a target); empty when
-    not asked for. Rows whose target is ``ignore_index`` get 0 (False) everywhere."""
+    those of -mean_i log_probs_i over the n rows with a target (d out / d log_probs_i = -1 / n,
+    rounded as PyTorch's), a trainer's usual loss; empty when not asked for. Rows whose target is
+    ``ignore_index`` get 0 (False) everywhere."""
     opts = LossOptions.from_op_args(args)
     _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
     _chunked.backend_for(hidden.device).precompile("tokens", hidden.device)  # (as in _forward)
     with _no_autocast(hidden):
         res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
-                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True)
+                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean")
     def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
         return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
 
@@ -490,20 +498,20 @@ def _token_setup_context(ctx, inputs, output):
                           entropy if metrics else None, *saved_grads)
 
 
-def _uniform_weight(log_prob_grad: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """(c, is_uniform): the value of ``log_prob_grad`` [N] on the first row with a target (0-d,
-    on the device) and a host flag (pinned on CUDA, its copy queued) of whether every row with a
-    target has it; ``_read_flag`` waits for the flag alone."""
-    first = torch.argmax(valid.to(torch.int8))  # 0 when no row has a target: then any value will do
-    common = log_prob_grad[first]
-    uniform = torch.where(valid, log_prob_grad == common, True).all()
+def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, tuple]:
+    """(ratio, check): ``ratio`` [1] fp32 on the device, -c / w where ``log_prob_grad`` [N] is c on
+    the first row with a target and w = 1 / their count (1 where c = -1 / count), and a host flag
+    (pinned on CUDA, its copy queued) of whether every row with a target has c; ``_read_flag``
+    waits for the flag alone."""
+    ratio, uniform = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
+                                                                          ignore_index)
     if not uniform.is_cuda:
-        return common, (uniform, None)
-    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        return ratio, (uniform, None)
+    flag = torch.empty(1, dtype=torch.int32, pin_memory=True)
     flag.copy_(uniform, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(uniform.device))
-    return common, (flag, ready)
+    return ratio, (flag, ready)
 
 
 def _read_flag(check) -> bool:
@@ -522,27 +530,28 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
     hidden, weight, targets, bias, lse, entropy, *saved_grads = ctx.saved_tensors
     opts = ctx.options
-    valid = targets != opts.ignore_index
     if ctx.speculated:
         if ctx.consumed:
             raise RuntimeError("fused_linear_log_probs computed its gradients in the forward and they were already "
                                "used: backward through it twice (retain_graph=True) is not supported.")
         ctx.consumed = True
         if entropy_grad is None and log_prob_grad is not None:
-            # The sweep's gradients are those of -sum log_probs: scaled by -c they are exact if every
-            # row's weight is c. The scaling is queued before the host reads the flag, so that the
-            # GPU has it to do meanwhile; where the weights differ, the scaled tensors are dropped.
-            common, check = _uniform_weight(log_prob_grad, valid)
+            # The sweep's gradients are those of -mean log_probs, each row weighted w = 1 / n: times
+            # -c / w they are exact if every row's weight is c, and untouched (no pass over them)
+            # where c = -1 / n, as a trainer that divides by this call's rows gives. The scaling is
+            # queued before the host reads the flag; where the weights differ it is dropped.
+            ratio, check = _mean_grad_ratio(log_prob_grad, targets, opts.ignore_index)
             grads = []
             for g, w in zip(saved_grads, want, strict=True):
                 if w and g.numel():
-                    _scale_in_place(g, -common)
+                    _scale_in_place(g, ratio)
                 grads.append(g if w else None)
             _uniform_grads[ctx.key] = _read_flag(check)
             if _uniform_grads[ctx.key]:
                 return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
         else:
             _uniform_grads[ctx.key] = False
+    valid = targets != opts.ignore_index
     zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
     loss_grad = zero.expand_as(lse) if log_prob_grad is None else torch.where(valid, -log_prob_grad.to(lse.dtype), zero)
     row_entropy_grad, row_lse_grad = None, None
@@ -560,12 +569,15 @@ token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_c
 
 
 class _EagerTokenForward(torch.autograd.Function):
-    """``token_forward_op`` in eager mode: the same forward, context and backward without the
-    operator's dispatch, host time that the GPU waits for when the caller has just synchronised
-    (TRL's head gathers the rows with a label, a sync, right before it)."""
+    """``token_forward_op`` in eager mode, as ``_EagerForward`` is ``forward_op``'s: TRL's head
+    gathers the rows with a label, a sync, right before it."""
 
-    forward = staticmethod(_token_forward)
-    setup_context = staticmethod(_token_setup_context)
+    @staticmethod
+    def forward(ctx, *args):
+        output = _token_forward(*args)
+        _token_setup_context(ctx, args, output)
+        return output
+
     backward = staticmethod(_token_backward)
 
 

@@ -743,6 +743,15 @@ def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: i
     return flag
 
 
+def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int):
+    """(ratio [1] fp32, uniform [1] int32) of ``_mean_grad_ratio_kernel``, in one launch."""
+    ratio = torch.empty(1, device=targets.device, dtype=torch.float32)
+    uniform = torch.empty(1, device=targets.device, dtype=torch.int32)
+    K._mean_grad_ratio_kernel[(1,)](row_grad, targets, ratio, uniform, targets.shape[0], int(ignore_index),
+                                    BLOCK=64 if interpreting() else 1024)
+    return ratio, uniform
+
+
 def take_out_flags(targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,
                    improbable_count: int) -> torch.Tensor:
     """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column is the

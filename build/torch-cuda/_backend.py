@@ -52,6 +52,12 @@ class Backend(Protocol):
         """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
         int64 [1], d loss / d loss_i fp32 [N] of the ordered rows)."""
 
+    def mean_grad_ratio(self, row_grad: torch.Tensor, targets: torch.Tensor,
+                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ratio [1] fp32, uniform [1] int32): whether ``row_grad`` [N] is one value c on every
+        row whose target [N] is not ``ignore_index``, and -c / w, w = 1 / their count (both
+        divisions rounded as PyTorch's: exactly 1 where c = -1 / count)."""
+
     def step_target_logits(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            opts: LossOptions, bias: torch.Tensor | None = None,
                            rows: torch.Tensor | None = None) -> torch.Tensor | None:
