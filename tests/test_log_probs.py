@@ -161,7 +161,8 @@ def test_mean_grad_ratio(flce, backend_name):
         (-log_probs.sum() / (targets != -100).sum()).backward()
         mean_grad = log_probs.grad.to(device)  # -1 / count on every row, from autograd
         noisy = torch.where(targets != -100, mean_grad, torch.randn(n_rows, generator=gen).to(device))
-        cases = [(mean_grad, 1.0, True), (noisy, 1.0, True), (2.5 * mean_grad, 2.5, True), (-mean_grad * count, -count, True)]
+        cases = [(mean_grad, 1.0, True), (noisy, 1.0, True), (2.5 * mean_grad, 2.5, True),
+                 (-mean_grad * count, -count, True)]
         if count > 1:
             differs = mean_grad.clone()
             differs[int(torch.nonzero(targets != -100)[0])] *= 2
