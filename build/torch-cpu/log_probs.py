@@ -17,8 +17,10 @@ sweep can compute as it goes (its upstream gradient is a scalar, applied in the 
 these outputs take any per-token upstream gradient, known only in the backward. The backward
 therefore recomputes the logits (8 N V H flops in all instead of 6), except when it finds the
 gradient of ``log_probs`` equal on every row with a target and no gradient on ``entropy`` (SFT's
-negative log-likelihood): then the gradients computed in the forward's sweep, scaled, are exact,
-and the forward computes them as long as the last backward of the same outputs found it so.
+negative log-likelihood): then the gradients computed in the forward's sweep, those of the mean
+of -log_probs over the rows with a target, are exact once scaled, and need no scaling at all where
+the loss divides by that count (TRL's SFT head); the forward computes them as long as the last
+backward of the same outputs found the weights equal.
 """
 
 from typing import NamedTuple
