@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench import ROWS, GpuSampler, environment, kernel_breakdown, load_flce, make_inputs, make_method  # noqa: E402
 
 BACKEND_CALLS = ("order_rows", "row_reference", "row_stats", "finalize", "row_factors", "scale_rows",
-                 "factored_chunk", "add_target_rows", "new_buffer", "grad_from_stored", "chunk_rows")
+                 "factored_sweep", "factored_rows", "add_target_rows", "new_buffer", "grad_from_stored", "chunk_rows")
 
 
 def _timed(totals: dict, name: str, fn):

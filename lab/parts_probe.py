@@ -12,7 +12,7 @@ warm-up, on the rows of one head that all have a loss:
 - ``cublas whole``: the same three products on all rows at once (no chunks);
 - ``torch.compile``: its step on the same rows;
 - with ``--parts``, each product alone in chunks and whole, grad_hidden's transposed formulation,
-  and the package's sweeps alone (``sweep chunks``: ``factored_chunk`` a chunk);
+  and the package's sweeps alone (``sweep chunks``: ``factored_sweep`` and ``factored_rows`` a chunk);
 - with ``--env NAME:K=V,...``, ``step [NAME]`` and ``sweep chunks [NAME]`` again under those
   settings (``_settings.Settings``' fields, any case, through ``_settings.override``), for an A/B
   at the cap;
@@ -99,8 +99,8 @@ def skeleton(hidden, weight, chunks, parts=("logits", "grad_hidden", "grad_weigh
 
 def sweep(hidden, weight, targets, chunks):
     """A call that runs the package's training sweeps alone over ``chunks``: each chunk's
-    ``factored_chunk`` (its reference, the sweep that stores E' and the per-row pass that scales the
-    hidden rows), as a step does before its products."""
+    ``factored_sweep`` and ``factored_rows`` (its reference, the sweep that stores E' and the
+    per-row pass that scales the hidden rows), as a step does before its products."""
     _, options, backend = package()
     rows, hidden_size = hidden.shape
     f32 = dict(device=hidden.device, dtype=torch.float32)
@@ -112,8 +112,8 @@ def sweep(hidden, weight, targets, chunks):
         for s, e in chunks:
             out = options.RowResults(lse=torch.empty(e - s, **f32), loss=torch.empty(e - s, **f32))
             scaled = torch.empty(e - s, hidden_size, device=hidden.device, dtype=hidden.dtype)
-            backend.factored_chunk(hidden[s:e], weight, targets[s:e], opts, buffer[: e - s], loss_grad[s:e], out,
-                                   scaled)
+            sweep = backend.factored_sweep(hidden[s:e], weight, targets[s:e], opts, buffer[: e - s], loss_grad[s:e])
+            backend.factored_rows(sweep, hidden[s:e], targets[s:e], opts, buffer[: e - s], loss_grad[s:e], out, scaled)
 
     return call
 

@@ -28,7 +28,7 @@ WATCHED = {
     "log_probs": ["_start_target_check", "token_forward", "_finish_target_check"],
     "_chunked": ["forward", "_new_results", "_rare_target_rows", "_factored_chunks"],
     "_triton_backend": ["targets_out_of_range", "order_rows", "take_out_flags", "row_reference", "new_buffer",
-                        "factored_chunk", "_sweep", "_launch_tiles", "mean_grad_ratio", "scale_"],
+                        "factored_sweep", "factored_rows", "_sweep", "_launch_tiles", "mean_grad_ratio", "scale_"],
     "_ops": ["_token_backward"],
 }
 

@@ -507,21 +507,21 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkey
     backend = submodule(flce, "_triton_backend")
     gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
     swept_rows, references, row_maxes = [], [], []
-    row_reference, factored_chunk = backend.row_reference, backend.factored_chunk
+    row_reference, factored_rows = backend.row_reference, backend.factored_rows
 
     def recording_row_reference(*args, **kwargs):
         row_ref, target_logit = row_reference(*args, **kwargs)
         references.append(row_ref.clone())
         return row_ref, target_logit
 
-    def recording_factored_chunk(hidden, *args, **kwargs):
+    def recording_factored_rows(sweep, hidden, *args, **kwargs):
         swept_rows.append(hidden.shape[0])
-        stats, row_factor, target_grad = factored_chunk(hidden, *args, **kwargs)
+        stats, row_factor, target_grad = factored_rows(sweep, hidden, *args, **kwargs)
         row_maxes.append(stats.row_max.clone())
         return stats, row_factor, target_grad
 
     monkeypatch.setattr(backend, "row_reference", recording_row_reference)
-    monkeypatch.setattr(backend, "factored_chunk", recording_factored_chunk)
+    monkeypatch.setattr(backend, "factored_rows", recording_factored_rows)
     hidden, weight, targets, bias = make_inputs(37, H, V, dtype, seed=77, ignore=0.3, scale=30.0)
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
     loss.backward()
@@ -872,8 +872,8 @@ def test_order_rows_is_a_stable_partition(flce, backend_name, mean, n_rows):
 
 def test_device_tensors_use_the_triton_backend(flce, monkeypatch):
     """CUDA tensors, and CPU tensors under TRITON_INTERPRET=1, run the Triton kernels (this
-    step's chunks are factored: one ``factored_chunk`` each)."""
-    triton_calls = _count_calls(monkeypatch, submodule(flce, "_triton_backend"), "factored_chunk")
+    step's chunks are factored: one ``factored_sweep`` each)."""
+    triton_calls = _count_calls(monkeypatch, submodule(flce, "_triton_backend"), "factored_sweep")
     torch_calls = _count_calls(monkeypatch, submodule(flce, "_torch_backend"), "row_stats")
     if DEVICE == "cpu":
         assert submodule(flce, "_triton_backend").interpreting()

@@ -135,7 +135,7 @@ def test_triton_off_sends_every_tensor_to_the_pytorch_backend(flce, environ, mon
 
         monkeypatch.setattr(module, name, counted)
 
-    for module, name in ((triton_backend, "row_stats"), (triton_backend, "factored_chunk"),
+    for module, name in ((triton_backend, "row_stats"), (triton_backend, "factored_sweep"),
                          (torch_backend, "row_stats")):
         count(module, name)
     hidden, weight, targets, bias = make_inputs(24, 32, 60, torch.float32, seed=4, bias=True, ignore=0.2)

@@ -13,9 +13,9 @@ its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chu
 whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
 buffer keeps exponentials and G = diag(r) E' + diag(c) T is never formed: the row factors r go
 on the products' small side, and the target entries of rare targets (``_rare_target_rows``)
-stay out of the products, added in fp32 (see ``_kernels``); on an unsharded weight
-``factored_chunk`` does the
-chunk's sweep, finalize and row factors in one call. Otherwise it keeps logits relative to
+stay out of the products, added in fp32 (see ``_kernels``); on an unsharded weight a chunk is
+its sweep (``factored_sweep``) and one pass over its rows for finalize and row factors
+(``factored_rows``). Otherwise it keeps logits relative to
 their tile max, turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
 the backward scales them by the real grad_output.
 
@@ -30,6 +30,7 @@ k lse_i^2 summed over the non-ignored rows, a mean divides it by their count (``
 ``recomputed_row_grads``).
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass, fields, replace
@@ -614,7 +615,6 @@ class _ForwardStep:
                             else backend.sweep_tiles(vocab_size, hidden.dtype, device))
         self.first = _first_chunk_rows(n_rows, self.chunk, row_order, training, self.row_block, self.sweep_tiles)
         self.targets = targets = targets if row_order is None else row_order.targets
-        self.results = _new_results(n_rows, return_metrics, self.f32, logit_sum, sum_sq)
         self.row_weight = row_weights(targets, class_weight, opts.ignore_index)
         self.weight_sum = class_weight.sum() if class_weight is not None and opts.has_smoothing else None
         self.local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
@@ -631,9 +631,7 @@ class _ForwardStep:
             self.buffer = backend.new_buffer(self.first, vocab_size, hidden.dtype, device)
             self.loss_grad = _sweep_loss_grad(targets, opts, grad_reduction, row_order, self.row_weight,
                                               self.weight_sum, vocab_size)
-        # (only grad_weight gains from it: grad_hidden's target term is exact either way)
-        self.take_out = (_rare_target_rows(backend, self.slice_targets, vocab_size, opts.ignore_index)
-                         if self.factored and grads[1] else None)
+        self.takes_out = self.factored and grads[1]  # (only grad_weight gains: grad_hidden's target term is exact)
         # The chunks' sums are taken against each row's reference where the step is factored, and
         # where a forward without gradients must match such a step (``match_training``).
         self.referenced = self.factored or (match_training and not training and n_rows > 0
@@ -651,6 +649,19 @@ class _ForwardStep:
         if not self.referenced and n_rows > 0:
             self.target_logits = backend.step_target_logits(hidden, weight, self.slice_targets, opts, bias, rows=rows)
         self.computed = 0
+
+    # The per-row results and the rare targets' flags are made at their first use, for a factored
+    # step once its first sweep is queued: the GPU, idle where the caller has just synchronised,
+    # starts on it one host's round of allocations and launches sooner.
+    @functools.cached_property
+    def results(self) -> RowResults:
+        return _new_results(self.hidden.shape[0], self.return_metrics, self.f32, self.logit_sum, self.sum_sq)
+
+    @functools.cached_property
+    def take_out(self) -> torch.Tensor | None:
+        if not self.takes_out:
+            return None
+        return _rare_target_rows(self.backend, self.slice_targets, self.vocab_size, self.opts.ignore_index)
 
     def chunks(self):
         """The chunks' rows [start, end) of the computed order, each with its hidden rows, targets
@@ -721,13 +732,14 @@ def _factored_chunks(step: _ForwardStep) -> None:
     and the two products."""
     backend, gradients = step.backend, step.gradients
     for start, end, hidden_c, targets_c, stored, loss_grad_c in step.chunks():
-        out = step.results_of(start, end)
+        sweep = backend.factored_sweep(hidden_c, step.weight, targets_c, step.opts, stored, loss_grad_c,
+                                       return_metrics=step.return_metrics, reference=step.reference_of(start, end))
         scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
                          if gradients.grad_weight is not None else None)
-        stats, row_factor, target_grad = backend.factored_chunk(
-            hidden_c, step.weight, targets_c, step.opts, stored, loss_grad_c, out, scaled_hidden,
-            return_metrics=step.return_metrics, reference=step.reference_of(start, end),
-            take_out=step.take_out_of(start, end))
+        out = step.results_of(start, end)
+        stats, row_factor, target_grad = backend.factored_rows(
+            sweep, hidden_c, targets_c, step.opts, stored, loss_grad_c, out, scaled_hidden,
+            return_metrics=step.return_metrics, take_out=step.take_out_of(start, end))
         step.finish(stats, start, end, out)
         # What the products need of the chunk's hidden rows is in scaled_hidden now, and
         # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone

@@ -474,22 +474,38 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     return stats, TileState(tile_stats[0], block_v)
 
 
-def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad, out: RowResults,
-                   scaled_hidden=None, return_metrics=False, reference=None, take_out=None):
-    """A factored training chunk of rows whose weight is the whole vocabulary, in three launches:
-    ``row_reference`` (unless ``reference`` brings its (B, target_logit) already), the sweep that
-    stores exponentials to ``buffer`` [rows, V], and one pass over the rows that does what
-    ``row_stats``' merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with
-    ``scaled_hidden`` [rows, H] (contiguous) also writes diag(r) hidden there. ``take_out``
-    [rows] int8 (None: none) flags the rows whose target entry leaves the products. Returns
-    (stats, r, c): r and c [rows] fp32, G = diag(r) E' + diag(c) T (see ``_kernels``)."""
-    n_rows, hidden_size = hidden.shape
-    vocab_size = weight.shape[0]
-    device = hidden.device
+class FactoredSweep(NamedTuple):
+    """What a factored chunk's sweep leaves for its rows' pass (``factored_rows``)."""
+
+    tile_stats: tuple  # (max, sum_exp, entropy term, argmax) [rows, num_tiles], the last two None without metrics
+    row_ref: torch.Tensor  # [rows] fp32 B
+    target_logit: torch.Tensor  # [rows] fp32
+    block_v: int
+    num_tiles: int
+
+
+def factored_sweep(hidden, weight, targets, opts: LossOptions, buffer, loss_grad, return_metrics=False,
+                   reference=None) -> FactoredSweep:
+    """A factored training chunk's sweep, of rows whose weight is the whole vocabulary:
+    ``row_reference`` (unless ``reference`` brings its (B, target_logit) already), then the logit
+    tiles' statistics, with the exponentials stored to ``buffer`` [rows, V]."""
     row_ref, target_logit = row_reference(hidden, weight, targets, opts) if reference is None else reference
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, None, targets, opts, buffer, row_ref,
                                                           loss_grad, None, target_logit, return_metrics)
-    stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
+    return FactoredSweep(tile_stats[:4], row_ref, target_logit, block_v, num_tiles)
+
+
+def factored_rows(sweep: FactoredSweep, hidden, targets, opts: LossOptions, buffer, loss_grad, out: RowResults,
+                  scaled_hidden=None, return_metrics=False, take_out=None):
+    """The pass over a factored chunk's rows after its sweep, in one launch: what ``row_stats``'
+    merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with ``scaled_hidden`` [rows, H]
+    (contiguous) also diag(r) hidden written there. ``take_out`` [rows] int8 (None: none) flags the
+    rows whose target entry leaves the products. Returns (stats, r, c): r and c [rows] fp32,
+    G = diag(r) E' + diag(c) T (see ``_kernels``)."""
+    n_rows, hidden_size = hidden.shape
+    vocab_size = buffer.shape[1]
+    device = hidden.device
+    stats = _new_row_stats(n_rows, sweep.target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
     row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
     # Two rows a program and 1024 columns a step: the hidden rows' scaling is bound by memory, and
@@ -497,14 +513,14 @@ def factored_chunk(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     # step on the H200, 0.045 so; docs/design.md).
     block_r = 2
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        *tile_stats[:4], row_ref, target_logit, targets, _take_out(take_out, n_rows, device), loss_grad, buffer,
-        stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax,
+        *sweep.tile_stats, sweep.row_ref, sweep.target_logit, targets, _take_out(take_out, n_rows, device), loss_grad,
+        buffer, stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax,
         out.lse, out.loss, out.correct, out.entropy, row_factor, target_grad, hidden, scaled_hidden,
-        n_rows, vocab_size, hidden_size, num_tiles, buffer.stride(0), hidden.stride(0), hidden.stride(1),
+        n_rows, vocab_size, hidden_size, sweep.num_tiles, buffer.stride(0), hidden.stride(0), hidden.stride(1),
         opts.ignore_index, float(opts.logit_scale),
         BLOCK_R=block_r,
-        BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
-        BLOCK_V=block_v,
+        BLOCK_T=min(128, triton.next_power_of_2(sweep.num_tiles)),
+        BLOCK_V=sweep.block_v,
         BLOCK_H=32 if interpreting() else 1024,
     )
     return stats, row_factor, target_grad
@@ -743,13 +759,12 @@ def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: i
     return flag
 
 
-def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int):
-    """(ratio [1] fp32, uniform [1] int32) of ``_mean_grad_ratio_kernel``, in one launch."""
-    ratio = torch.empty(1, device=targets.device, dtype=torch.float32)
-    uniform = torch.empty(1, device=targets.device, dtype=torch.int32)
-    K._mean_grad_ratio_kernel[(1,)](row_grad, targets, ratio, uniform, targets.shape[0], int(ignore_index),
+def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """[2] fp32 (uniform, ratio) of ``_mean_grad_ratio_kernel``, in one launch."""
+    out = torch.empty(2, device=targets.device, dtype=torch.float32)
+    K._mean_grad_ratio_kernel[(1,)](row_grad, targets, out, targets.shape[0], int(ignore_index),
                                     BLOCK=64 if interpreting() else 1024)
-    return ratio, uniform
+    return out
 
 
 def take_out_flags(targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,

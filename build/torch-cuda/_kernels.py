@@ -1220,8 +1220,7 @@ def _targets_out_of_range_kernel(
 def _mean_grad_ratio_kernel(
     row_grad_ptr,  # [n_rows] fp32: d out / d log_probs_i
     targets_ptr,  # [n_rows] int
-    ratio_ptr,  # [1] fp32 out: -c / w
-    uniform_ptr,  # [1] int32 out: 1 if every row with a target has the same gradient c
+    out_ptr,  # [2] fp32 out: 1 if every row with a target has the same gradient c (else 0), then -c / w
     n_rows,
     ignore_index,
     BLOCK: tl.constexpr,
@@ -1251,8 +1250,8 @@ def _mean_grad_ratio_kernel(
         grad = tl.load(row_grad_ptr + rows, mask=valid, other=0.0)
         differ += (valid & (grad != common)).to(tl.int32)
     weight = tl.math.div_rn(1.0, tl.maximum(count, 1).to(tl.float32))
-    tl.store(ratio_ptr, tl.math.div_rn(-common, weight))
-    tl.store(uniform_ptr, (tl.sum(differ, axis=0) == 0).to(tl.int32))
+    tl.store(out_ptr, (tl.sum(differ, axis=0) == 0).to(tl.float32))
+    tl.store(out_ptr + 1, tl.math.div_rn(-common, weight))
 
 
 @triton.jit(do_not_specialize=["n_rows", "ignore_index"])

@@ -498,27 +498,21 @@ def _token_setup_context(ctx, inputs, output):
                           entropy if metrics else None, *saved_grads)
 
 
-def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, tuple]:
-    """(ratio, check): ``ratio`` [1] fp32 on the device, -c / w where ``log_prob_grad`` [N] is c on
-    the first row with a target and w = 1 / their count (1 where c = -1 / count), and a host flag
-    (pinned on CUDA, its copy queued) of whether every row with a target has c; ``_read_flag``
-    waits for the flag alone."""
-    ratio, uniform = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
-                                                                          ignore_index)
-    if not uniform.is_cuda:
-        return ratio, (uniform, None)
-    flag = torch.empty(1, dtype=torch.int32, pin_memory=True)
-    flag.copy_(uniform, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(uniform.device))
-    return ratio, (flag, ready)
-
-
-def _read_flag(check) -> bool:
-    flag, ready = check
-    if ready is not None:
+def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, bool, float]:
+    """(ratio, uniform, host_ratio): whether ``log_prob_grad`` [N] is one value c on every row with
+    a target, and -c / w with w = 1 / their count, on the device (``ratio`` [1] fp32) and on the
+    host, which waits for these two numbers alone."""
+    found = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
+                                                                 ignore_index)
+    host = found
+    if found.is_cuda:
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(found, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(found.device))
         ready.synchronize()
-    return bool(flag)
+    uniform, ratio = host.tolist()
+    return found[1:], uniform == 1.0, ratio
 
 
 def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
@@ -538,16 +532,16 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
         if entropy_grad is None and log_prob_grad is not None:
             # The sweep's gradients are those of -mean log_probs, each row weighted w = 1 / n: times
             # -c / w they are exact if every row's weight is c, and untouched (no pass over them)
-            # where c = -1 / n, as a trainer that divides by this call's rows gives. The scaling is
-            # queued before the host reads the flag; where the weights differ it is dropped.
-            ratio, check = _mean_grad_ratio(log_prob_grad, targets, opts.ignore_index)
+            # where c = -1 / n, as a trainer that divides by this call's rows gives: the host reads
+            # whether the weights are equal and the ratio (one sync), and launches no pass then.
+            ratio, uniform, host_ratio = _mean_grad_ratio(log_prob_grad, targets, opts.ignore_index)
             grads = []
             for g, w in zip(saved_grads, want, strict=True):
-                if w and g.numel():
+                if uniform and host_ratio != 1.0 and w and g.numel():
                     _scale_in_place(g, ratio)
                 grads.append(g if w else None)
-            _uniform_grads[ctx.key] = _read_flag(check)
-            if _uniform_grads[ctx.key]:
+            _uniform_grads[ctx.key] = uniform
+            if uniform:
                 return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
         else:
             _uniform_grads[ctx.key] = False

@@ -226,14 +226,14 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, targets[order].long(), count, loss_grad
 
 
-def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int):
-    """(ratio [1] fp32, uniform [1] int32): whether ``row_grad`` is one value c on every row with a
-    target, and -c / w with w = 1 / count (``_kernels._mean_grad_ratio_kernel``)."""
+def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """[2] fp32: 1 if ``row_grad`` is one value c on every row with a target (else 0), then -c / w
+    with w = 1 / their count (``_kernels._mean_grad_ratio_kernel``)."""
     valid = targets != ignore_index
     common = row_grad[torch.argmax(valid.to(torch.int8))].float()  # row 0 when no row has a target
     uniform = torch.where(valid, row_grad == common, True).all()
     weight = 1.0 / valid.sum().clamp(min=1).float()
-    return (-common / weight).reshape(1), uniform.to(torch.int32).reshape(1)
+    return torch.stack([uniform.float(), -common / weight])
 
 
 def step_target_logits(hidden, weight, targets, opts: LossOptions, bias=None, rows=None) -> None:

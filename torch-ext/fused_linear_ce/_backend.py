@@ -52,11 +52,10 @@ class Backend(Protocol):
         """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
         int64 [1], d loss / d loss_i fp32 [N] of the ordered rows)."""
 
-    def mean_grad_ratio(self, row_grad: torch.Tensor, targets: torch.Tensor,
-                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ratio [1] fp32, uniform [1] int32): whether ``row_grad`` [N] is one value c on every
-        row whose target [N] is not ``ignore_index``, and -c / w, w = 1 / their count (both
-        divisions rounded as PyTorch's: exactly 1 where c = -1 / count)."""
+    def mean_grad_ratio(self, row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """[2] fp32: 1 if ``row_grad`` [N] is one value c on every row whose target [N] is not
+        ``ignore_index`` (else 0), then -c / w, w = 1 / their count (both divisions rounded as
+        PyTorch's: exactly 1 where c = -1 / count)."""
 
     def step_target_logits(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            opts: LossOptions, bias: torch.Tensor | None = None,
@@ -129,16 +128,20 @@ class FactoredBackend(Backend, Protocol):
         [rows] int8 takes it out of the products (0 in E' there; ``_kernels._factor_rows``), 0
         elsewhere (None: every entry stays in)."""
 
-    def factored_chunk(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
-                       buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
-                       scaled_hidden: torch.Tensor | None = None, return_metrics: bool = False,
-                       reference: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       take_out: torch.Tensor | None = None) -> tuple[RowStats, torch.Tensor, torch.Tensor]:
-        """A whole factored chunk when ``weight`` is the whole vocabulary (no merge across
-        shards): ``row_reference`` (unless given as ``reference``), ``row_stats`` into
-        ``buffer``, ``finalize`` into ``out`` and ``row_factors`` in one, and with
-        ``scaled_hidden`` [rows, H] also diag(r) hidden written there; ``take_out`` as in
-        ``row_factors``. Returns (stats, r, c)."""
+    def factored_sweep(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                       buffer: torch.Tensor, loss_grad: torch.Tensor, return_metrics: bool = False,
+                       reference: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
+        """A factored chunk's sweep when ``weight`` is the whole vocabulary (no merge across
+        shards): ``row_reference`` (unless given as ``reference``), then ``row_stats`` into
+        ``buffer``; returns the state that ``factored_rows`` takes."""
+
+    def factored_rows(self, sweep: Any, hidden: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
+                      buffer: torch.Tensor, loss_grad: torch.Tensor, out: RowResults,
+                      scaled_hidden: torch.Tensor | None = None, return_metrics: bool = False,
+                      take_out: torch.Tensor | None = None) -> tuple[RowStats, torch.Tensor, torch.Tensor]:
+        """The rest of the chunk after ``factored_sweep``: the merge, ``finalize`` into ``out`` and
+        ``row_factors`` in one, and with ``scaled_hidden`` [rows, H] also diag(r) hidden written
+        there; ``take_out`` as in ``row_factors``. Returns (stats, r, c)."""
 
     def scale_rows(self, src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor,
                    dst_rows: torch.Tensor | None = None,
