@@ -160,7 +160,7 @@ def test_mean_grad_ratio(flce, backend_name):
         log_probs = torch.randn(n_rows, generator=gen, requires_grad=True)
         (-log_probs.sum() / (targets != -100).sum()).backward()
         mean_grad = log_probs.grad.to(device)  # -1 / count on every row, from autograd
-        noisy = torch.where(targets != -100, mean_grad, torch.randn(n_rows, generator=gen).to(device))
+        noisy = torch.where((targets != -100).to(device), mean_grad, torch.randn(n_rows, generator=gen).to(device))
         cases = [(mean_grad, 1.0, True), (noisy, 1.0, True), (2.5 * mean_grad, 2.5, True),
                  (-mean_grad * count, -count, True)]
         if count > 1:
