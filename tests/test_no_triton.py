@@ -66,9 +66,13 @@ MISSING_TRITON = "and triton is not installed: pip install triton"
 
 def _run_without_triton(script: str, cwd, **env: str) -> dict:
     """Runs ``script`` (unindented) after NO_TRITON in a fresh Python (no TRITON_INTERPRET, no LOCAL_KERNELS but
-    ``env``'s) in ``cwd``; returns what it saved to out.pt."""
+    ``env``'s, and none of this checkout on PYTHONPATH but ``env``'s) in ``cwd``; returns what it saved to out.pt.
+    Other PYTHONPATH entries stay: where packages such as ``kernels`` are installed with pip's ``--target``."""
     environ = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCAL_KERNELS", "PYTHONPATH")}
-    environ.update(env)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and not Path(p).resolve().is_relative_to(ROOT)]
+    paths = [*filter(None, [env.pop("PYTHONPATH", None)]), *inherited]
+    environ.update(env, **({"PYTHONPATH": os.pathsep.join(paths)} if paths else {}))
     result = subprocess.run([sys.executable, "-c", NO_TRITON + script], cwd=cwd, env=environ,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
