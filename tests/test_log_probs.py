@@ -125,21 +125,27 @@ def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("normaliser", ["rows", "sum", "other"])
-def test_sft_gradients_from_the_sweep(flce, dtype, normaliser):
+def test_sft_gradients_from_the_sweep(flce, monkeypatch, dtype, normaliser):
     """SFT's loss, -sum log_probs / n: the backward finds equal weights and takes the gradients
     the forward's sweep computed (those of the mean over the rows with a target: untouched when n
-    is their count, scaled otherwise); they match float64 autograd, step after step."""
+    is their count, one scaling each of grad_hidden and grad_weight otherwise); they match
+    float64 autograd, step after step."""
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=6, ignore=0.2)
     n = {"rows": (targets != -100).sum(), "sum": 1, "other": 7}[normaliser]
     outputs = ("log_probs", "entropy", "is_top1")
     ops = submodule(flce, "_ops")
     ops._uniform_grads.pop("entropy,is_top1,log_probs", None)  # as a fresh process: no earlier backward's verdict
+    scalings = []
+    scale_in_place = ops._scale_in_place
+    monkeypatch.setattr(ops, "_scale_in_place", lambda x, scale: scalings.append(x.shape) or scale_in_place(x, scale))
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     (-reference(h64, w64, targets)["log_probs"].sum() / n).backward()
     for step in range(2):
         got = _grads(lambda: -flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.sum()
                      / n, (hidden, weight))
         assert ops.speculates("entropy,is_top1,log_probs")
+        assert scalings == ([] if normaliser == "rows" else [hidden.shape, weight.shape]), scalings
+        scalings.clear()
         for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
             assert_rel(g, e, tolerance(dtype, "grad"), f"step {step} {name}")
 
