@@ -501,17 +501,10 @@ def _token_setup_context(ctx, inputs, output):
 def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, bool, float]:
     """(ratio, uniform, host_ratio): whether ``log_prob_grad`` [N] is one value c on every row with
     a target, and -c / w with w = 1 / their count, on the device (``ratio`` [1] fp32) and on the
-    host, which waits for these two numbers alone."""
+    host (one sync: the last launch queued is the one that finds them)."""
     found = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
                                                                  ignore_index)
-    host = found
-    if found.is_cuda:
-        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        host.copy_(found, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(found.device))
-        ready.synchronize()
-    uniform, ratio = host.tolist()
+    uniform, ratio = found.tolist()
     return found[1:], uniform == 1.0, ratio
 
 
