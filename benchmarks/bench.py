@@ -94,6 +94,21 @@ def load_flce():
         return fused_linear_ce, "torch-ext"
 
 
+def load_build(root: str):
+    """The Hub build (``build/torch-cuda``) of another checkout ``root``, imported by path as the
+    package ``fused_linear_ce_base``, beside the one ``load_flce`` loads (its torch.library
+    operators take the package's name as their namespace): a before/after run in one process."""
+    import importlib.util
+
+    package = Path(root) / "build" / "torch-cuda"
+    spec = importlib.util.spec_from_file_location("fused_linear_ce_base", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---- inputs ----------------------------------------------------------------------------
 def make_inputs(n_tokens, hidden_size, vocab_size, dtype, kind, seed=0, ignored_share=IGNORE_FRACTION):
     """hidden [N, H], weight [V, H], targets [N] (``ignored_share`` of them ignored, at random).
@@ -481,16 +496,25 @@ def main():
                         help="times each method is timed on a row, the methods' order reversed every other "
                              "lap; fwd_ms and step_ms are the laps' medians (each lap's in *_ms_laps)")
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
+    parser.add_argument("--base", default=None,
+                        help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
+                             "methods fused-linear-ce@base and fused-linear-ce-metrics@base, laps alternating")
     args = parser.parse_args()
 
     flce, loaded_from = load_flce()
+    base = load_build(args.base) if args.base else None
     result = {"environment": environment(), "loaded_from": loaded_from,
               "matmul_tflops": matmul_peak_tflops(args.warmup_ms), "results": []}
     print(f"# {result['environment']['gpu']}, bf16 matmul {result['matmul_tflops']:.0f} TFLOP/s", flush=True)
     methods = []
-    for name in args.methods.split(","):
+    names = args.methods.split(",")
+    if base is not None:
+        names += [f"{name}@base" for name in names if name in ("fused-linear-ce", "fused-linear-ce-metrics")]
+        result["base"] = {"root": args.base, "revision": _revision(args.base)}
+    for name in names:
         try:
-            methods.append((name, make_method(name, flce)))
+            built = make_method(name[:-len("@base")], base) if name.endswith("@base") else make_method(name, flce)
+            methods.append((name, built))
         except ImportError as e:
             print(f"# skipping {name}: {e}", flush=True)
             result.setdefault("skipped", {})[name] = str(e)
@@ -546,6 +570,12 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
+
+
+def _revision(root: str) -> str | None:
+    """The git revision that ``scripts/export_build`` wrote beside a build (REVISION), if any."""
+    path = Path(root) / "REVISION"
+    return path.read_text().strip() if path.exists() else None
 
 
 def later_laps(methods, entries, inputs, args, flops):

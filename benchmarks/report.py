@@ -23,6 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "benchmarks" / "plots"
 HISTORY = ROOT / "lab" / "history"  # earlier recorded runs (lab/README.md)
 OURS = "fused-linear-ce"
+BASE = "@base"  # bench.py --base: the same methods on an earlier build, in the same run
 # Methods of bench.py in the order the tables show them; any other method found comes after.
 KNOWN_METHODS = [OURS, "torch", "torch.compile", "quack", "quack-default", "liger-cute", "liger", "cce",
                  "cce-exact"]
@@ -52,6 +53,8 @@ def load():
                              key=lambda item: item[1]["environment"]["date"]):
         runs.append((path.name, data))
         for r in data["results"]:
+            if r["method"].endswith(BASE):  # an earlier build's (``before_after_section``)
+                continue
             key = (r["row"], r["inputs"], r["method"])
             r = {**r, "_file": path.name, "_matmul": data.get("matmul_tflops")}
             if "anatomy" not in r and "anatomy" in latest.get(key, {}):
@@ -465,7 +468,72 @@ def summary(latest):
     cold = cold_start_sentence()
     if cold:
         text += "\n\n" + cold
+    before_after = before_after_sentence()
+    if before_after:
+        text += "\n\n" + before_after
     return text
+
+
+def before_after_runs():
+    """(file, data) of the runs that timed an earlier build beside this one (``bench.py --base``)."""
+    runs = [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("h200-*.json"))]
+    return [(name, data) for name, data in runs if "base" in data]
+
+
+def _before_after(data):
+    """Per (row, inputs) of one run: this kernel's step and forward ratios to the fastest peer of
+    the same run, for the earlier build and this one, and both builds' step memory."""
+    results = {(r["row"], r["inputs"], r["method"]): r for r in data["results"] if "error" not in r}
+    out = []
+    for (row, inputs, method), after in results.items():
+        before = results.get((row, inputs, method + BASE))
+        if method != OURS or before is None:
+            continue
+        peers = [r for (rw, inp, m), r in results.items() if (rw, inp) == (row, inputs) and not m.startswith(OURS)]
+        if not peers:
+            continue
+        step_peer = min(r["step_ms"] for r in peers)
+        fwd_peer = min(r["fwd_ms"] for r in peers)
+        out.append(dict(row=row, inputs=inputs, step=(before["step_ms"] / step_peer, after["step_ms"] / step_peer),
+                        fwd=(fwd_peer / before["fwd_ms"], fwd_peer / after["fwd_ms"]),
+                        mib=(before["step_peak_minus_grads_mib"], after["step_peak_minus_grads_mib"])))
+    return out
+
+
+def before_after_section(runs) -> str:
+    """The step and forward ratios to the peers before and after a change, in one run."""
+    lines = []
+    for name, data in runs:
+        base = data["base"]
+        lines += [f"`{name}`: this build against {base.get('revision') or base['root']} (`bench.py --base`), "
+                  "every method timed in the same process, laps alternating.", "",
+                  "| row | inputs | step / fastest peer's: before → after | fastest peer's forward / forward: "
+                  "before → after | step's extra memory less the gradients, MiB: before → after |",
+                  "|---|---|---|---|---|"]
+        for e in _before_after(data):
+            (sb, sa), (fb, fa), (mb, ma) = e["step"], e["fwd"], e["mib"]
+            lines.append(f"| {e['row']} | {e['inputs']} | {sb:.3f} → {sa:.3f} ({sa / sb - 1:+.1%}) | "
+                         f"{fb:.3f} → {fa:.3f} ({fa / fb - 1:+.1%}) | {mb:.0f} → {ma:.0f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def before_after_sentence() -> str:
+    """README's sentence on the latest before/after run, its numbers from the JSON."""
+    runs = before_after_runs()
+    if not runs:
+        return ""
+    name, data = runs[-1]
+    changes = _before_after(data)
+    if not changes:
+        return ""
+    step = [e["step"][1] / e["step"][0] - 1 for e in changes]
+    fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
+    return (f"The simplification of the kernel (one shipped path, four settings, smaller kernels) was timed against "
+            f"the build before it ({data['base'].get('revision') or data['base']['root']}) in one run (`{name}`): "
+            f"on {len(changes)} rows its step ratio to the fastest peer moved by {min(step):+.1%} to "
+            f"{max(step):+.1%} and its forward's by {min(fwd):+.1%} to {max(fwd):+.1%} (BENCHMARKS.md, "
+            f"\"Before and after\").")
 
 
 COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft": "SFT's per-token outputs"}
@@ -814,6 +882,12 @@ def main():
                   f"(target ≤ {STEP_TARGET}). Each run is one machine at its power cap; the kernel changed between "
                   "versions (docs/design.md gives the decisions and their measurements).", "",
                   step_ratio_section(ratio_runs)]
+    before_after = before_after_runs()
+    if before_after:
+        parts += ["", "## Before and after", "",
+                  "Runs that timed an earlier build beside this one in the same process (`bench.py --base`, the "
+                  "earlier build from `scripts/export_build`): a ratio's change between the builds is within the "
+                  "run, not between machines or days.", "", before_after_section(before_after)]
     trl = trl_runs()
     if trl:
         parts += ["", "## TRL's fused LM head: SFT's and GRPO's outputs, and the metrics' cost", "", trl_section(trl)]

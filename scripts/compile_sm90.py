@@ -35,8 +35,7 @@ from fused_linear_ce import _kernels as K  # noqa: E402
 BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the tuned configuration for bf16 on sm_90
 POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32"}  # others: fp32, or bf16 for the inputs
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
-INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_hk", "stride_wv", "stride_wk",
-            "stride_out_n")
+INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_wv")
 FLOATS = ("logit_scale", "softcap", "label_smoothing", "z_loss_scale", "inv_vocab_size")
 # The launches' flags, as this script's --flags name them, and the arguments each one makes present
 # (absent arguments are None, a constant); modes 0, 1 and 3 are the statistics kernel's (0: no
@@ -84,7 +83,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
             signature[name] = "fp32"
     constants.update(USE_TMA=use_tma, TMA_STORE=store, EVEN_K=flags.get("EVEN_K", True),
                      EVEN_V=flags.get("EVEN_V", True), INPUT_PRECISION="ieee", PERSISTENT=persistent,
-                     BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K, ACC_DTYPE=tl.float32)
+                     BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K)
     source = ASTSource(kernel, signature, constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
 

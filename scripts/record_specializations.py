@@ -6,10 +6,11 @@ records each compilation as ``JITFunction.preload`` takes it.
 
 The calls are the main heads' training steps and forwards at 8192 rows (10% ignored, and none:
 TRL's heads gather the rows with a label) and at 5003 rows, bf16, with a softcap on Gemma-2's
-head; "tokens" takes SFT's outputs (log-probs, entropy, top-1, one weight a row: the sweep's
-gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7) and DPO's
-(log-probs alone). Re-record after changing a kernel's parameters or a launch's specialisation
-(``tests/test_precompile.py`` checks the parameters).
+head; the per-token kinds take SFT's outputs (log-probs, entropy, top-1, one weight a row: the
+sweep's gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7) and
+DPO's (log-probs alone, summed, then weighted per sequence). Re-record after changing a
+kernel's parameters or a launch's specialisation (``tests/test_precompile.py`` checks the
+parameters).
 
     python scripts/record_specializations.py [--out PATH]
 """
@@ -25,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "torch-ext" / "fused_linear_ce" / "_specializations.py"
-KINDS = ("loss", "metrics", "tokens")
+# The per-token kinds: SFT's outputs, GRPO's (entropy with a gradient) and DPO's (log-probs alone).
+KINDS = ("loss", "metrics", "tokens:entropy,is_top1,log_probs", "tokens:entropy,log_probs", "tokens:log_probs")
 
 CHILD = r"""
 import importlib, json, sys, torch, triton
@@ -55,17 +57,27 @@ for row, n_rows, ignored, softcap in (("llama3", 8192, 0.1, None), ("llama3", 81
                                           ignored_share=ignored)
     h, w = hidden.requires_grad_(), weight.requires_grad_()
     valid = targets != -100
-    if kind == "tokens":
-        sft = flce.fused_linear_log_probs(h, w, targets, softcap=softcap,
-                                          outputs=("log_probs", "entropy", "is_top1"))
+    if kind == "tokens:entropy,is_top1,log_probs":  # SFT: every row's weight -1 / n
+        sft = flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=("log_probs", "entropy", "is_top1"))
         (-sft.log_probs.sum() / valid.sum()).backward()
-        grpo = flce.fused_linear_log_probs(h, w, targets, softcap=softcap, temperature=0.7,
-                                           outputs=("log_probs", "entropy"))
-        advantage = torch.randn(n_rows, device="cuda")
-        (-(grpo.log_probs * advantage).sum() - 0.1 * grpo.entropy.sum()).backward()
-        flce.fused_linear_log_probs(h, w, targets, softcap=softcap).log_probs.sum().backward()
         with torch.no_grad():
-            flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=("log_probs", "entropy"))
+            flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=("log_probs", "entropy", "is_top1"))
+    elif kind == "tokens:entropy,log_probs":  # GRPO: advantages and an entropy bonus, twice (the
+        for _ in range(2):                    # second call's forward no longer makes gradients)
+            grpo = flce.fused_linear_log_probs(h, w, targets, softcap=softcap, temperature=0.7,
+                                               outputs=("log_probs", "entropy"))
+            advantage = torch.randn(n_rows, device="cuda")
+            (-(grpo.log_probs * advantage).sum() - 0.1 * grpo.entropy.sum()).backward()
+        with torch.no_grad():
+            flce.fused_linear_log_probs(h, w, targets, softcap=softcap, temperature=0.7,
+                                        outputs=("log_probs", "entropy"))
+    elif kind == "tokens:log_probs":  # DPO: sums (one weight, scaled), then per-sequence weights
+        flce.fused_linear_log_probs(h, w, targets, softcap=softcap).log_probs.sum().backward()
+        for _ in range(2):
+            weights = torch.randn(n_rows, device="cuda")
+            (flce.fused_linear_log_probs(h, w, targets, softcap=softcap).log_probs * weights).sum().backward()
+        with torch.no_grad():
+            flce.fused_linear_log_probs(h, w, targets, softcap=softcap)
     else:
         out = flce.fused_linear_cross_entropy(h, w, targets, softcap=softcap, return_metrics=kind == "metrics")
         (out[0] if isinstance(out, tuple) else out).backward()

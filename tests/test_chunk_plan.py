@@ -223,8 +223,8 @@ def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
 def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce, monkeypatch):
     """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
     Hopper device: a 16-bit forward of plain logits, and a bf16 training step's factored sweep,
-    plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing, fp32 inputs
-    or the tiles' own target pick (``tile_target`` off) keep the logit kernel's 128 rows. z-loss
+    plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing or fp32 inputs
+    keep the logit kernel's 128 rows. z-loss
     does not change the forward's statistics, so it keeps the Gluon tiles there; a step with it
     is not factored."""
     backend = submodule(flce, "_triton_backend")
@@ -257,8 +257,6 @@ def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_
         assert block(training=True) == 128 and block() == 192
     with override(gluon_training=False):
         assert block(training=True) == 128 and block() == 192
-    with override(tile_target=False):
-        assert block() == block(training=True) == 128
 
 
 def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):

@@ -102,10 +102,6 @@ CASES = {
     "factored_entries_in": dict(n=37, settings=dict(chunk_rows=8, rare_target=-1), ignore=0.3),
     "grad_pass_path": dict(n=37, settings=dict(chunk_rows=8, factored=False), ignore=0.3, logit_scale=0.7),
     "ignored_rows_computed": dict(n=37, settings=dict(chunk_rows=8, skip_ignored=False), ignore=0.3),
-    # The references in one launch a chunk (pick_once off) instead of one launch before the
-    # chunks with the rows read through the order (the default, in the cases above).
-    "factored_reference_per_chunk": dict(n=37, settings=dict(chunk_rows=8, pick_once=False), ignore=0.3,
-                                         logit_scale=0.7),
     # A 16-bit grad_weight over many chunks, summed in groups of two into an fp32 sum (the
     # small head's fp32 accumulator switched off), with and without the factored gradient.
     "grouped_weight_sum": dict(n=37, settings=dict(chunk_rows=4, weight_group=2, weight_fp32_mib=0),
@@ -298,14 +294,15 @@ def _spy_tma(monkeypatch, flce):
     return decisions
 
 
-# (layout, whether TMA descriptors can describe it: rows 16-byte aligned, unit stride in H)
+# (layout, whether TMA descriptors can describe it: rows 16-byte aligned; a tensor whose columns
+# are not adjacent is copied before the logit kernels, which read unit column strides)
 LAYOUTS = {
     "contiguous": True,
     "hidden_row_stride": True,
     "hidden_offset_aligned": True,
-    "hidden_column_stride": False,
+    "hidden_column_stride": True,
     "hidden_offset_misaligned": False,
-    "weight_transposed": False,
+    "weight_transposed": True,
 }
 
 
@@ -494,16 +491,14 @@ def _count_calls(monkeypatch, module, name):
     return calls
 
 
-@pytest.mark.parametrize("pick_once", ["0", "1"])
 @pytest.mark.parametrize("dtype", [p for p in DTYPES if p.id != "fp16"])
-def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkeypatch, dtype, pick_once):
+def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkeypatch, dtype):
     """A training step without bias, softcap, smoothing or z-loss: the logit sweep sees only
     the rows with a loss, and the gradient is factored, also for rows whose max passes their
     reference (the target's logit) by more than the gap; results as the reference. The
     references come from one row_reference call for every row of the step's order, its rows read
-    in place (the default), or without ``pick_once`` from one call a chunk."""
+    in place."""
     tune(chunk_rows=8)
-    tune(pick_once=pick_once == "1")
     backend = submodule(flce, "_triton_backend")
     gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
     swept_rows, references, row_maxes = [], [], []
@@ -526,9 +521,9 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkey
     loss = flce.fused_linear_cross_entropy(hidden, weight, targets)
     loss.backward()
     ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
-    if pick_once == "1":  # one call for the 37 rows of the order, the ignored ones last
-        assert len(references) == 1 and references[0].shape == (37,)
-        references = list(references[0][:sum(swept_rows)].split(swept_rows))
+    # one call for the 37 rows of the order, the ignored ones last
+    assert len(references) == 1 and references[0].shape == (37,)
+    references = list(references[0][:sum(swept_rows)].split(swept_rows))
     assert len(references) == len(swept_rows) > 1
     moved_rows = [int((m > r + gap).sum()) for m, r in zip(row_maxes, references, strict=True)]
     num_valid = int((targets != -100).sum())
@@ -540,13 +535,11 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkey
 
 def test_training_loss_is_the_forwards(flce, tune):
     """The factored training step takes each target's logit from a tensor-core product that sums
-    in the logit kernel's order (``row_reference``, ``tile_target``, the default), so that
-    the product's rounding cancels in lse - z_t: its loss equals the forward's (which takes it
-    from the same product, or from the tiles without ``tile_target``) to fp32 rounding. On a GPU
-    the products run in TF32 here (10-bit mantissas), so a target logit from an exact fp32 dot
-    product would put TF32's error, about 1e-3 of a logit, into the training loss
-    (``tile_target`` off does that; test_matches_reference bounds
-    its error)."""
+    in the logit kernel's order (``row_reference``), so that the product's rounding cancels in
+    lse - z_t: its loss equals the forward's (which takes it from the same product) to fp32
+    rounding. On a GPU the products run in TF32 here (10-bit mantissas), so a target logit from
+    an exact fp32 dot product would put TF32's error, about 1e-3 of a logit, into the training
+    loss."""
     tune(chunk_rows=16)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
@@ -726,9 +719,10 @@ def test_add_target_rows_reaches_entries_past_2_31(flce):
 def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkeypatch, options):
     """A statistics sweep does not pick the target logit in its tiles (no target_logit for it: a compare
     and a select a logit fewer) but takes it from the tensor-core product of ``_picked_logits``,
-    with the tiles' bias, scale and softcap; ``tile_target`` off picks it in the tiles. The
-    per-row losses of both are equal to fp32 rounding, and the reference's. Chunks of 8 rows with
-    20% ignored: the target logits of every chunk land in their rows."""
+    with the tiles' bias, scale and softcap; the tiles pick it where ``_target_logit_by_product``
+    says no (fp64 inputs; forced here). The per-row losses of both are equal to fp32 rounding, and
+    the reference's. Chunks of 8 rows with 20% ignored: the target logits of every chunk land in
+    their rows."""
     backend = submodule(flce, "_triton_backend")
     picks = []
     launch = backend._launch_tiles
@@ -744,8 +738,9 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkey
                                                 ignore=0.2, scale=3.0)
     softcap = options.get("softcap")
     losses = {}
+    by_product = backend._target_logit_by_product
     for tile_target in ("1", "0"):
-        tune(tile_target=tile_target == "1")
+        monkeypatch.setattr(backend, "_target_logit_by_product", by_product if tile_target == "1" else lambda h: False)
         picks.clear()
         with torch.no_grad():
             losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, bias, reduction="none",
@@ -758,14 +753,12 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkey
     assert_rel(losses["1"], ref.loss, tolerance(torch.float32, "loss"), "loss")
 
 
-@pytest.mark.parametrize("pick_once", ["1", "0"])
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training_with_bias"])
-def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, monkeypatch, training, pick_once):
+def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, monkeypatch, training):
     """Without the factored gradient (a forward, or training with a bias), every row's target
     logit comes from one ``_picked_logits`` call before the chunks, the rows of the step's order
-    read in place (all of them, the ignored ones last); without ``pick_once`` from one call a
-    chunk of the rows with a loss (a forward's chunks: at least 128 rows). Both give the
-    reference's losses and gradients."""
+    read in place (all of them, the ignored ones last), over several chunks (a forward's: at
+    least 128 rows). The losses and gradients are the reference's."""
     backend = submodule(flce, "_triton_backend")
     picked_rows = []
     picked_logits = backend._picked_logits
@@ -777,7 +770,6 @@ def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, mon
     monkeypatch.setattr(backend, "_picked_logits", recording_picked_logits)
     n_rows, chunk = (37, 8) if training else (300, 128)
     tune(chunk_rows=chunk)
-    tune(pick_once=pick_once == "1")
     hidden, weight, targets, bias = make_inputs(n_rows, H, V, torch.float32, seed=53, bias=training, ignore=0.2,
                                                 scale=3.0)
     num_valid = int((targets != -100).sum())
@@ -789,11 +781,7 @@ def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, mon
     else:
         with torch.no_grad():
             loss = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
-    if pick_once == "1":
-        assert picked_rows == [n_rows]
-    else:
-        assert num_valid > chunk and picked_rows == [chunk] * (num_valid // chunk) + [num_valid % chunk] * (
-            num_valid % chunk > 0), (picked_rows, num_valid)
+    assert num_valid > chunk and picked_rows == [n_rows], (picked_rows, num_valid)
     ref = reference(hidden, weight, targets, bias, reduction="sum" if training else "none", grad_output=grad_output)
     assert_rel(loss, ref.loss, tolerance(torch.float32, "loss"), "loss")
     if training:
@@ -801,18 +789,20 @@ def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, mon
 
 
 @pytest.mark.parametrize("dtype", DTYPES_16)
-def test_product_target_logit_is_the_tiles_bit_for_bit(flce, tune, dtype):
+def test_product_target_logit_is_the_tiles_bit_for_bit(flce, monkeypatch, dtype):
     """On a GPU the target logit of _picked_logit_dot_kernel (a 64-row product on wgmma, N = 64)
     is the logit kernel's tile value bit for bit
     (m64n256k16 there): each wgmma output sums its own K terms in the same k16 steps, whatever N.
-    So the per-row losses of a forward that picks z_t in its tiles (``tile_target`` off) and of
-    one that takes it from the product are equal. The interpreter's products are numpy's fp32
+    So the per-row losses of a forward that picks z_t in its tiles (as for fp64 inputs; forced
+    here) and of one that takes it from the product are equal. The interpreter's products are numpy's fp32
     matrix products, whose order of summation depends on the shapes: there, fp32 rounding of
     logits of size about 3 over H = 256 terms (1e-5)."""
     hidden, weight, targets, _ = make_inputs(200, 256, 512, dtype, seed=47, ignore=0.1, scale=3.0)
+    backend = submodule(flce, "_triton_backend")
+    by_product = backend._target_logit_by_product
     losses = {}
     for tile_target in ("0", "1"):
-        tune(tile_target=tile_target == "1")
+        monkeypatch.setattr(backend, "_target_logit_by_product", by_product if tile_target == "1" else lambda h: False)
         with torch.no_grad():
             losses[tile_target] = flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none")
     if DEVICE == "cuda":
@@ -823,13 +813,11 @@ def test_product_target_logit_is_the_tiles_bit_for_bit(flce, tune, dtype):
     assert_rel(losses["1"], ref.loss, tolerance(dtype, "loss"), "loss")
 
 
-@pytest.mark.parametrize("tile_target", ["0", "1"])
-def test_row_reference_picks_each_rows_target_logit(flce, tune, tile_target):
-    """row_reference's B and target logit, by the exact dot product (0) or the tensor-core one
-    (1), against float64: s * h_i . w_t, column 0's where the target is not
+def test_row_reference_picks_each_rows_target_logit(flce):
+    """row_reference's B and target logit (a tensor-core product) against float64: s * h_i . w_t,
+    column 0's where the target is not
     a column of this weight (an ignored row, a target in another rank's slice), where the target
     logit is NaN. 37 rows: a partial last block of rows; H = 40: a partial K step."""
-    tune(tile_target=tile_target == "1")
     hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=31, scale=5.0)
     targets[3], targets[20] = -100, V + 5
     opts = submodule(flce, "_options").LossOptions(logit_scale=0.5)

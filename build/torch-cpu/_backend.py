@@ -37,7 +37,8 @@ class Backend(Protocol):
         """A [] int32 flag, 1 if a target [N] is neither in [0, vocab_size) nor ``ignore_index``."""
 
     def precompile(self, kind: str, device: torch.device) -> None:
-        """Readies the kernels of a call of ``kind`` ("loss", "metrics" or "tokens") on ``device``
+        """Readies the kernels of a call of ``kind`` ("loss", "metrics", or "tokens:" and the
+        per-token outputs' sorted names, comma-separated) on ``device``
         before its first launch; the Triton backend compiles them in parallel, forked processes."""
 
     def sweep_tiles(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:

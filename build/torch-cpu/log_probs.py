@@ -128,14 +128,14 @@ def fused_linear_log_probs(
     targets_1d = targets.reshape(-1).contiguous()
     if targets_1d.dtype == torch.int32:  # compared in int64, as any ignore_index fits there
         targets_1d = targets_1d.long()
-    backend_for(hidden.device).precompile("tokens", hidden.device)
+    key = ",".join(sorted(set(outputs) | {"log_probs"}))
+    backend_for(hidden.device).precompile("tokens:" + key, hidden.device)
     target_check = _start_target_check(targets_1d, vocab_size, ignore_index) if _targets_checked(targets) else None
     # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
     options = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
                           softcap=None if softcap is None else softcap / temperature)
     metrics = "entropy" in outputs or "is_top1" in outputs
     logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
-    key = ",".join(sorted(set(outputs) | {"log_probs"}))
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
     in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden) and speculates(key))

@@ -404,7 +404,7 @@ def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
     ``ignore_index`` get 0 (False) everywhere."""
     opts = LossOptions.from_op_args(args)
     _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
-    _chunked.backend_for(hidden.device).precompile("tokens", hidden.device)  # (as in _forward)
+    _chunked.backend_for(hidden.device).precompile("tokens:" + args[_NUM_OPTIONS], hidden.device)  # (as in _forward)
     with _no_autocast(hidden):
         res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
                                logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean")

@@ -8,8 +8,9 @@ are independent, but much of their time holds Python's lock, so threads barely o
 cache, where each kernel's first launch then finds it. A child only compiles (no CUDA call:
 its parent's CUDA state is not valid in it) and leaves with ``os._exit``.
 
-What to compile comes from ``_specializations``: for each kind of call, the specialisations
-that its first calls compiled on a GPU (``scripts/record_specializations.py``), in the form of
+What to compile comes from ``_specializations``: for each kind of call (the loss, with metrics,
+or per-token outputs, a kind for each set of outputs that TRL's trainers ask for), the
+specialisations that its first calls compiled on a GPU (``scripts/record_specializations.py``), in the form of
 Triton's ``JITFunction.preload``. Triton keys its compiled kernels by the arguments'
 specialisation, so a compiled entry serves exactly the launches that would have compiled it;
 one that no launch asks for costs a child's work and nothing else. A call whose arguments
@@ -57,7 +58,7 @@ def _table(device: torch.device) -> dict | None:
 def _pending(kind: str, device: int, table: dict) -> list[tuple]:
     """(kernel, specialisation data) of ``kind`` that this process has not compiled."""
     pending = []
-    for entry in table["kinds"][kind]:
+    for entry in table["kinds"].get(kind, ()):
         try:
             kernel = _kernel(entry["module"], entry["kernel"])
         except (ImportError, AttributeError):  # no Gluon here, or a kernel renamed since the recording
@@ -158,9 +159,10 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0
 
 def warm(kind: str, device: torch.device) -> int:
     """Compiles, in forked children, the kernels that the first calls of ``kind`` ("loss",
-    "metrics" or "tokens") compiled on this GPU, once per process and device; returns how many
-    children succeeded (0 after the first call, or where nothing is recorded for this GPU and
-    Triton). A kernel that failed to compile there compiles at its launch, which raises as it
+    "metrics", or "tokens:" and the per-token outputs asked for, e.g. SFT's
+    "tokens:entropy,is_top1,log_probs") compiled on this GPU, once per process and device;
+    returns how many children succeeded (0 after the first call, or where nothing is recorded
+    for this kind, GPU and Triton). A kernel that failed to compile there compiles at its launch, which raises as it
     would have."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (kind, index) in _warmed or not settings().precompile or torch.compiler.is_compiling():

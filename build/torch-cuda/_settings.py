@@ -104,14 +104,6 @@ class Settings:
     """Whether a training chunk may keep exponentials and factor its gradient; False: logits
     relative to their tile max, turned into grad logits by one pass."""
 
-    tile_target: bool = True
-    """Whether each target logit comes from a tensor-core product that sums in the logit
-    kernel's order; False: the forward's tiles pick it and a step takes an exact dot product."""
-
-    pick_once: bool = True
-    """Whether a step or a forward takes every row's reference and target logit in one launch
-    before its first chunk; False: one launch a chunk."""
-
     rare_target: int = 2
     """A factored step takes a row's target entry out of the 16-bit products when at most this
     many of the step's rows share its target (or p_t < 2^-10 and at most 64 do); 0: only the

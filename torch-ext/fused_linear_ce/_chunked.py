@@ -671,10 +671,12 @@ class _ForwardStep:
         for start, end in _spans(self.hidden.shape[0], self.chunk, row_order, self.first, self.row_block,
                                  self.sweep_tiles):
             self.computed = end
-            hidden_c = self.hidden[start:end] if row_order is None else row_order.take(self.hidden, start, end)
-            stored = self.buffer[: end - start] if self.training else None
-            loss_grad_c = self.loss_grad[start:end] if self.training else None
-            yield start, end, hidden_c, self.slice_targets[start:end], stored, loss_grad_c
+            # (no local holds the chunk's hidden rows while the caller uses them: the caller drops
+            # the gathered rows before grad_hidden's fp32 block is made, ``_factored_chunks``)
+            yield (start, end,
+                   self.hidden[start:end] if row_order is None else row_order.take(self.hidden, start, end),
+                   self.slice_targets[start:end], self.buffer[: end - start] if self.training else None,
+                   self.loss_grad[start:end] if self.training else None)
 
     def results_of(self, start: int, end: int) -> RowResults:
         """The per-row results of rows [start, end)."""

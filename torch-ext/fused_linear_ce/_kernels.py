@@ -221,14 +221,15 @@ def _grad_logits(
 def _tile_logits(
     hidden_ptr, weight_ptr, bias_ptr,
     pid_n, pid_v, n_rows, vocab_size, hidden_size,
-    stride_hn, stride_hk, stride_wv, stride_wk,
+    stride_hn, stride_wv,
     logit_scale, softcap,
     USE_TMA: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, ACC_DTYPE: tl.constexpr,
 ):
     """Final logits [BLOCK_N, BLOCK_V] (ACC_DTYPE) of one tile; -inf past the vocabulary.
-    ``bias_ptr``, ``logit_scale`` and ``softcap`` are None where absent (a scale of 1: no
-    multiply); EVEN_V (V a multiple of BLOCK_V) leaves out the column mask."""
+    ``hidden`` and ``weight`` have unit column strides; ``bias_ptr``, ``logit_scale`` and
+    ``softcap`` are None where absent (a scale of 1: no multiply); EVEN_V (V a multiple of
+    BLOCK_V) leaves out the column mask."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = offs_v < vocab_size
@@ -245,8 +246,8 @@ def _tile_logits(
         offs_k = tl.arange(0, BLOCK_K)
         load_n = (offs_n % n_rows).to(tl.int64)
         load_v = (offs_v % vocab_size).to(tl.int64)
-        h_ptrs = hidden_ptr + load_n[:, None] * stride_hn + offs_k[None, :] * stride_hk
-        w_ptrs = weight_ptr + load_v[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        h_ptrs = hidden_ptr + load_n[:, None] * stride_hn + offs_k[None, :]
+        w_ptrs = weight_ptr + load_v[None, :] * stride_wv + offs_k[:, None]
         for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
             if EVEN_K:
                 h = tl.load(h_ptrs)  # [BLOCK_N, BLOCK_K]
@@ -256,8 +257,8 @@ def _tile_logits(
                 h = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
             acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION, out_dtype=ACC_DTYPE)
-            h_ptrs += BLOCK_K * stride_hk
-            w_ptrs += BLOCK_K * stride_wk
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     logits = acc
     if bias_ptr is not None:
         bias = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(ACC_DTYPE)
@@ -288,16 +289,17 @@ def _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _store_tile(out_ptr, tile, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE: tl.constexpr,
+def _store_tile(out_ptr, tile, pid_n, pid_v, n_rows, vocab_size, TMA_STORE: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Stores one tile [BLOCK_N, BLOCK_V] to ``out`` [n_rows, V] in its dtype, clipped at the edges."""
+    """Stores one tile [BLOCK_N, BLOCK_V] to ``out`` [n_rows, V] (contiguous) in its dtype,
+    clipped at the edges."""
     if TMA_STORE:  # through shared memory by the copy engine
         out_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], tile.to(out_ptr.dtype))
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         out_mask = (offs_n < n_rows)[:, None] & (offs_v < vocab_size)[None, :]
-        out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_out_n + offs_v[None, :]
+        out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * vocab_size + offs_v[None, :]
         tl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -324,12 +326,9 @@ def _tile_stats_kernel(
     vocab_size,
     hidden_size,
     group_rows,  # rows whose tiles sweep the vocabulary together (their hidden rows stay in L2)
-    # strides
+    # row strides (the columns' are 1; ``out`` is contiguous)
     stride_hn,
-    stride_hk,
     stride_wv,
-    stride_wk,
-    stride_out_n,
     # scalars (None: a scale of 1, no softcap)
     logit_scale,
     softcap,
@@ -343,7 +342,6 @@ def _tile_stats_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,  # of the logits and statistics (fp64 for fp64 inputs)
 ):
     """Per-(row, tile) softmax statistics of (BLOCK_N rows) x (BLOCK_V vocabulary entries) tiles
     of logits, reduced in registers, and optionally the tile itself.
@@ -360,6 +358,7 @@ def _tile_stats_kernel(
     does one tile; with it, a fixed grid strides over the tiles in one flattened loop, so that
     the loads of the next tile overlap the epilogue of the current one.
     """
+    ACC_DTYPE: tl.constexpr = tile_max_ptr.dtype.element_ty  # of the logits and statistics (fp64 for fp64 inputs)
     STORE_EXP: tl.constexpr = out_ptr is not None and row_ref_ptr is not None
     tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
     tl.static_assert(out_ptr is not None or not TMA_STORE, "no buffer to store")
@@ -373,7 +372,7 @@ def _tile_stats_kernel(
         pid_n, pid_v = _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N, BLOCK_V)
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
-            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
+            stride_hn, stride_wv, logit_scale, softcap,
             USE_TMA, EVEN_K, EVEN_V, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
         )  # [BLOCK_N, BLOCK_V]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -439,11 +438,9 @@ def _tile_stats_kernel(
             tile_out = exp_shifted
             if tl.max(no_grad.to(tl.int32), axis=0) > 0:
                 tile_out = tl.where(no_grad[:, None], 0.0, exp_shifted)
-            _store_tile(out_ptr, tile_out, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N,
-                        BLOCK_V)
+            _store_tile(out_ptr, tile_out, pid_n, pid_v, n_rows, vocab_size, TMA_STORE, BLOCK_N, BLOCK_V)
         elif out_ptr is not None:
-            _store_tile(out_ptr, shifted, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N,
-                        BLOCK_V)
+            _store_tile(out_ptr, shifted, pid_n, pid_v, n_rows, vocab_size, TMA_STORE, BLOCK_N, BLOCK_V)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -465,12 +462,9 @@ def _tile_grad_kernel(
     vocab_size,
     hidden_size,
     group_rows,
-    # strides
+    # row strides (the columns' are 1; ``out`` is contiguous)
     stride_hn,
-    stride_hk,
     stride_wv,
-    stride_wk,
-    stride_out_n,
     # scalars (None: a scale of 1, no softcap, smoothing or z-loss)
     logit_scale,
     softcap,
@@ -487,12 +481,12 @@ def _tile_grad_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
 ):
     """The gradient with respect to the raw logits, G = d out / d u [n_rows, V], of tiles of
     (BLOCK_N rows) x (BLOCK_V vocabulary entries), once each row's lse is known: the logits are
     recomputed as ``_tile_stats_kernel`` computes them, p = exp(z - lse), and ``_grad_logits``
     gives G, stored to ``out`` in its dtype. Tiles are visited in ``_tile_position``'s order."""
+    ACC_DTYPE: tl.constexpr = lse_ptr.dtype.element_ty  # of the logits (fp64 for fp64 inputs)
     tl.static_assert(USE_TMA or not TMA_STORE, "the buffer's TMA store needs the TMA loads")
     tl.static_assert(label_smoothing is not None or class_weight_ptr is None,
                      "class weights enter the kernel with smoothing only")
@@ -501,7 +495,7 @@ def _tile_grad_kernel(
         pid_n, pid_v = _tile_position(tile_id, n_rows, vocab_size, group_rows, BLOCK_N, BLOCK_V)
         logits = _tile_logits(
             hidden_ptr, weight_ptr, bias_ptr, pid_n, pid_v, n_rows, vocab_size, hidden_size,
-            stride_hn, stride_hk, stride_wv, stride_wk, logit_scale, softcap,
+            stride_hn, stride_wv, logit_scale, softcap,
             USE_TMA, EVEN_K, EVEN_V, INPUT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K, ACC_DTYPE,
         )  # [BLOCK_N, BLOCK_V]
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -531,7 +525,7 @@ def _tile_grad_kernel(
             HAS_CLASS_WEIGHT=class_weight_ptr is not None,
             entropy_grad=entropy_grad, HAS_ENTROPY_GRAD=entropy_grad_ptr is not None,
         )
-        _store_tile(out_ptr, grad, pid_n, pid_v, n_rows, vocab_size, stride_out_n, TMA_STORE, BLOCK_N, BLOCK_V)
+        _store_tile(out_ptr, grad, pid_n, pid_v, n_rows, vocab_size, TMA_STORE, BLOCK_N, BLOCK_V)
 
 
 @triton.jit
@@ -809,7 +803,7 @@ def _grad_from_shifted_kernel(
 @triton.jit
 def _factor_rows(
     buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out, offs_r, row_mask,
-    vocab_size, stride_buf_n, logit_scale,
+    vocab_size, logit_scale,
     BLOCK_V: tl.constexpr,
     RESCALE_COLS: tl.constexpr,
 ):
@@ -823,7 +817,7 @@ def _factor_rows(
     exp(B - lse) (B is the target's logit wherever the target is in this weight's columns); any
     other row stores E'_it = E_it - exp(lse - R) there, c = 0, and its r
     takes that entry's 16-bit rounding, so that r E'_it = s g (p_t - 1) exactly. BLOCK_V must be
-    the logit kernel's tile width.
+    the logit kernel's tile width; the buffer [rows, V] is contiguous.
     """
     offs_r64 = offs_r.to(tl.int64)
     moved = row_mask & (row_max > row_ref + REFERENCE_GAP)
@@ -841,7 +835,7 @@ def _factor_rows(
                 mask = moved[:, None] & (offs_v < vocab_size)[None, :]
                 tile_max = tl.load(tile_max_ptr + offs_r64 * num_tiles + tile, mask=moved, other=0.0)
                 rescale = tl.exp(_exp_reference(tile_max, row_ref, True) - reference)  # <= 1
-                ptrs = buffer_ptr + offs_r64[:, None] * stride_buf_n + offs_v[None, :]
+                ptrs = buffer_ptr + offs_r64[:, None] * vocab_size + offs_v[None, :]
                 values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
                 tl.store(ptrs, (values * rescale[:, None]).to(buffer_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # the target entries below are read after their rescaled store
@@ -850,7 +844,7 @@ def _factor_rows(
     p_target = tl.exp(row_ref - lse)
     improbable = (take_out == OUT_IF_IMPROBABLE) & (p_target < RARE_PROBABILITY)
     out_of_products = at_target & ((take_out == OUT_ALWAYS) | improbable)
-    target_ptrs = buffer_ptr + offs_r64 * stride_buf_n + targets
+    target_ptrs = buffer_ptr + offs_r64 * vocab_size + targets
     value = tl.load(target_ptrs, mask=at_target, other=0.0).to(tl.float32)
     value = tl.where(out_of_products, 0.0, value - tl.exp(lse - reference))
     stored = value.to(buffer_ptr.dtype.element_ty)
@@ -869,7 +863,7 @@ def _factor_rows(
 @triton.jit(do_not_specialize=["n_rows"])
 def _row_factors_kernel(
     # pointers
-    buffer_ptr,  # [n_rows, V] in: exp(z - tile reference) (the factored sweep's), out: E' (in place)
+    buffer_ptr,  # [n_rows, V] contiguous, in: exp(z - tile reference) (the factored sweep's), out: E' (in place)
     tile_max_ptr,  # [n_rows, num_tiles] fp32
     row_max_ptr,  # [n_rows] fp32, the max over this weight's vocabulary
     row_ref_ptr,  # [n_rows] fp32 reference B the logit kernel was given
@@ -879,10 +873,9 @@ def _row_factors_kernel(
     take_out_ptr,  # [n_rows] int8: where the target entry leaves the products (``_factor_rows``)
     row_factor_ptr,  # [n_rows] fp32 out: r
     target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
-    # sizes and strides
+    # sizes
     n_rows,
     vocab_size,
-    stride_buf_n,
     # scalars
     logit_scale,
     # meta-parameters
@@ -900,8 +893,7 @@ def _row_factors_kernel(
     targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=-1)
     take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
-                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V,
-                                       RESCALE_COLS=64)
+                                       offs_r, row_mask, vocab_size, logit_scale, BLOCK_V=BLOCK_V, RESCALE_COLS=64)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
 
@@ -918,7 +910,7 @@ def _factored_rows_kernel(
     targets_ptr,  # [n_rows] int
     take_out_ptr,  # [n_rows] int8: where the target entry leaves the products (``_factor_rows``)
     loss_grad_ptr,  # [n_rows] fp32, 0 on rows without gradient
-    buffer_ptr,  # [n_rows, V] in: the factored sweep's exponentials, out: E'
+    buffer_ptr,  # [n_rows, V] contiguous, in: the factored sweep's exponentials, out: E'
     row_max_ptr,  # [n_rows] fp32 out
     row_sum_exp_ptr,  # [n_rows] fp32 out
     row_entropy_ptr,  # [n_rows] fp32 out               (with the metrics)
@@ -929,16 +921,13 @@ def _factored_rows_kernel(
     entropy_ptr,  # [n_rows] fp32 out                   (with the metrics)
     row_factor_ptr,  # [n_rows] fp32 out: r
     target_grad_ptr,  # [n_rows] fp32 out: c, the target entry where it left the products, else 0
-    hidden_ptr,  # [n_rows, H] the chunk's hidden rows
+    hidden_ptr,  # [n_rows, H] the chunk's hidden rows, unit column stride
     scaled_hidden_ptr,  # [n_rows, H] out: diag(r) hidden, contiguous; or None
     # sizes, strides and scalars
     n_rows,
     vocab_size,
     hidden_size,
-    num_tiles,
-    stride_buf_n,
     stride_hn,
-    stride_hk,
     ignore_index,
     logit_scale,
     # meta-parameters
@@ -954,6 +943,7 @@ def _factored_rows_kernel(
     smoothing, no z-loss: the factored sweep has neither.)"""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = offs_r < n_rows
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)  # of the sweep, whose tile width BLOCK_V is
     row_ref = tl.load(row_ref_ptr + offs_r, mask=row_mask, other=0.0)
     row_max, sum_exp, entropy_term, argmax, logit_sum = _merge_tiles(
         tile_max_ptr, tile_sum_exp_ptr, tile_entropy_ptr, tile_argmax_ptr, None, row_ref,
@@ -971,7 +961,7 @@ def _factored_rows_kernel(
     loss_grad = tl.load(loss_grad_ptr + offs_r, mask=row_mask, other=0.0)
     take_out = tl.load(take_out_ptr + offs_r, mask=row_mask, other=0)
     factor, target_grad = _factor_rows(buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out,
-                                       offs_r, row_mask, vocab_size, stride_buf_n, logit_scale, BLOCK_V=BLOCK_V,
+                                       offs_r, row_mask, vocab_size, logit_scale, BLOCK_V=BLOCK_V,
                                        RESCALE_COLS=BLOCK_V)
     tl.store(row_factor_ptr + offs_r, factor, mask=row_mask)
     tl.store(target_grad_ptr + offs_r, target_grad, mask=row_mask)
@@ -980,7 +970,7 @@ def _factored_rows_kernel(
         for k in range(0, hidden_size, BLOCK_H):
             offs_h = k + tl.arange(0, BLOCK_H)
             mask = row_mask[:, None] & (offs_h < hidden_size)[None, :]
-            h = tl.load(hidden_ptr + offs_r64[:, None] * stride_hn + offs_h[None, :] * stride_hk, mask=mask, other=0.0)
+            h = tl.load(hidden_ptr + offs_r64[:, None] * stride_hn + offs_h[None, :], mask=mask, other=0.0)
             scaled = h.to(tl.float32) * factor[:, None]
             tl.store(scaled_hidden_ptr + offs_r64[:, None] * hidden_size + offs_h[None, :],
                      scaled.to(scaled_hidden_ptr.dtype.element_ty), mask=mask)
@@ -1032,47 +1022,6 @@ def _order_rows_kernel(
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _picked_logit_kernel(
-    hidden_ptr,  # [n_rows, H]
-    weight_ptr,  # [V, H]
-    targets_ptr,  # [n_rows] int: columns of this weight (out of range: column 0 instead)
-    out_ptr,  # [n_rows] fp32 out: s * hidden_i . weight_c
-    target_logit_ptr,  # [n_rows] fp32 out: the same, NaN where the target is not a column here
-    n_rows,
-    vocab_size,
-    hidden_size,
-    stride_hn,
-    stride_hk,
-    stride_wv,
-    stride_wk,
-    logit_scale,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """One logit per row, at its target column (column 0 where the target is not a column of
-    this weight): the reference B of the factored gradient, a lower bound of the row's max that
-    is close to it wherever the target is not extremely unlikely, and the target's logit of the
-    loss (NaN where the target is not a column of this weight). Bias-free, unsoftcapped."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = offs_r < n_rows
-    targets = tl.load(targets_ptr + offs_r, mask=row_mask, other=0)
-    columns = tl.where((targets >= 0) & (targets < vocab_size), targets, 0).to(tl.int64)
-    acc = tl.zeros((BLOCK_R, BLOCK_H), tl.float32)
-    for k in range(0, hidden_size, BLOCK_H):
-        offs_h = k + tl.arange(0, BLOCK_H)
-        mask = row_mask[:, None] & (offs_h < hidden_size)[None, :]
-        h_ptrs = hidden_ptr + offs_r.to(tl.int64)[:, None] * stride_hn + offs_h[None, :] * stride_hk
-        w_ptrs = weight_ptr + columns[:, None] * stride_wv + offs_h[None, :] * stride_wk
-        h = tl.load(h_ptrs, mask=mask, other=0.0)
-        w = tl.load(w_ptrs, mask=mask, other=0.0)
-        acc += h.to(tl.float32) * w.to(tl.float32)
-    picked = logit_scale * tl.sum(acc, axis=1)
-    tl.store(out_ptr + offs_r, picked, mask=row_mask)
-    local = (targets >= 0) & (targets < vocab_size)
-    tl.store(target_logit_ptr + offs_r, tl.where(local, picked, float("nan")), mask=row_mask)
-
-
-@triton.jit(do_not_specialize=["n_rows"])
 def _picked_logit_dot_kernel(
     hidden_ptr,  # [n_rows, H]
     weight_ptr,  # [V, H]
@@ -1094,8 +1043,11 @@ def _picked_logit_dot_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``_picked_logit_kernel``'s outputs, each logit taken from a product on the tensor cores:
-    hidden[BLOCK_R rows] @ weight[their target columns].T [BLOCK_R, BLOCK_R], which holds them on
+    """One logit per row, at its target column (column 0 where the target is not a column of this
+    weight): the reference B of the factored gradient, a lower bound of the row's max that is
+    close to it wherever the target is not extremely unlikely, and the target's logit of the loss
+    (NaN where the target is not a column of this weight). Each is taken from a product on the
+    tensor cores, hidden[BLOCK_R rows] @ weight[their target columns].T [BLOCK_R, BLOCK_R], which holds them on
     its diagonal. The product adds each logit's H terms in the same order of K steps as the
     logit kernel's tiles (a wgmma output sums its own terms, whatever N; BLOCK_R = 64 keeps the
     product on wgmma), so that z_t carries the rounding of the lse's logits and the loss lse - z_t

@@ -265,13 +265,21 @@ def _group_rows(hidden: torch.Tensor) -> int:
     return max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
 
 
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, C], copied where its columns are not adjacent (a transposed view)."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
 def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, block_v: int) -> None:
     """Launches a logit kernel (``K._tile_stats_kernel`` or ``K._tile_grad_kernel``) over every
     (row block, vocabulary tile) of ``hidden`` [rows, H] @ ``weight`` [V, H].T. ``pointers``: the
-    kernel's pointer arguments after hidden and weight, ``out`` (the buffer, or None) among them;
-    ``scalars``: its scalar arguments, None where absent."""
+    kernel's pointer arguments after hidden and weight, ``out`` (the buffer [rows, V], contiguous, or
+    None) among them; ``scalars``: its scalar arguments, None where absent. The kernels read hidden
+    and weight with unit column strides: a tensor with other strides is copied first."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
+    hidden, weight = _unit_columns(hidden), _unit_columns(weight)
+    assert out is None or out.stride() == (vocab_size, 1), "the logit kernels store to a contiguous [rows, V]"
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
     # are aligned; block shapes are set per configuration (``_set_descriptor_blocks``).
     use_tma = _tma_ok(hidden, weight)
@@ -282,14 +290,10 @@ def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, 
     pointers = tuple(out_arg if p is out and out is not None else p for p in pointers)
     args = (
         hidden_arg, weight_arg, *pointers,
-        n_rows, vocab_size, hidden_size, _group_rows(hidden),
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        out.stride(0) if out is not None else 0,
-        *scalars,
+        n_rows, vocab_size, hidden_size, _group_rows(hidden), hidden.stride(0), weight.stride(0), *scalars,
     )
     meta = dict(USE_TMA=use_tma, TMA_STORE=tma_store, EVEN_K=hidden_size % 128 == 0,
-                EVEN_V=vocab_size % block_v == 0, INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_V=block_v,
-                ACC_DTYPE=_acc_dtype(hidden.dtype))
+                EVEN_V=vocab_size % block_v == 0, INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_V=block_v)
     # What a launch's configuration may depend on: the kernel, dtypes, sizes and which arguments are None.
     key = (kernel.fn.__name__, hidden.dtype, None if out is None else out.dtype, hidden_size, vocab_size,
            *(p is None for p in pointers), *(s is None for s in scalars), use_tma, tma_store, meta["EVEN_K"],
@@ -380,7 +384,7 @@ def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_m
     kernel's 256-column tiles."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
         return None
-    if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing or not _tensor_core_target():
+    if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing:
         return None
     gluon = _gluon_stats_module()
     if gluon is None or tile_width(dtype) != gluon.BLOCK_V.value or not gluon.device_applies(device):
@@ -505,6 +509,8 @@ def factored_rows(sweep: FactoredSweep, hidden, targets, opts: LossOptions, buff
     n_rows, hidden_size = hidden.shape
     vocab_size = buffer.shape[1]
     device = hidden.device
+    hidden = _unit_columns(hidden)
+    assert buffer.stride() == (vocab_size, 1) and sweep.num_tiles == triton.cdiv(vocab_size, sweep.block_v)
     stats = _new_row_stats(n_rows, sweep.target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
     row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
@@ -516,8 +522,7 @@ def factored_rows(sweep: FactoredSweep, hidden, targets, opts: LossOptions, buff
         *sweep.tile_stats, sweep.row_ref, sweep.target_logit, targets, _take_out(take_out, n_rows, device), loss_grad,
         buffer, stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax,
         out.lse, out.loss, out.correct, out.entropy, row_factor, target_grad, hidden, scaled_hidden,
-        n_rows, vocab_size, hidden_size, sweep.num_tiles, buffer.stride(0), hidden.stride(0), hidden.stride(1),
-        opts.ignore_index, float(opts.logit_scale),
+        n_rows, vocab_size, hidden_size, hidden.stride(0), opts.ignore_index, float(opts.logit_scale),
         BLOCK_R=block_r,
         BLOCK_T=min(128, triton.next_power_of_2(sweep.num_tiles)),
         BLOCK_V=sweep.block_v,
@@ -602,19 +607,13 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     return order, ordered_targets, count, loss_grad
 
 
-def _tensor_core_target() -> bool:
-    """Whether target logits come from ``_picked_logit_dot_kernel`` (``tile_target``, default True)
-    instead of the tiles' pick (statistics sweeps) and the exact dot product (references)."""
-    return settings().tile_target
-
-
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether a statistics sweep without the factored buffer leaves each row's target logit to
     ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
     tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
     every logit (1.6-4.5% of a forward, docs/design.md). Not for fp64 inputs (the product
-    sums in fp32), nor without ``tile_target``."""
-    return hidden.dtype != torch.float64 and _tensor_core_target()
+    sums in fp32)."""
+    return hidden.dtype != torch.float64
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -643,22 +642,21 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
                        bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """Every row's target logit [N] fp32 (NaN where the target is not a column here) from one
     ``_picked_logit_dot_kernel`` launch, where the statistics sweeps leave the target logit to it
-    (``_target_logit_by_product``) and ``pick_once`` is on; with ``rows`` row i is hidden[rows[i]].
-    A launch of 64-row programs takes about as long for any rows up to a round of them, so one
-    launch instead of one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3
-    one on the H200 (docs/design.md)."""
-    if not settings().pick_once or not _target_logit_by_product(hidden):
+    (``_target_logit_by_product``); with ``rows`` row i is hidden[rows[i]]. A launch of 64-row
+    programs takes about as long for any rows up to a round of them, so one launch instead of
+    one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3 one on the H200
+    (docs/design.md)."""
+    if not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
 
 
 def reference_in_place() -> bool:
     """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
-    loop takes every row's reference in one launch before its first chunk (with the tensor-core
-    target logit; without ``pick_once``: one launch a chunk). A chunk of 1536 rows gave the product
-    24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five launches, 0.042 in one
-    (docs/design.md)."""
-    return settings().pick_once and _tensor_core_target()
+    loop takes every row's reference in one launch before its first chunk. A chunk of 1536 rows
+    gave the product 24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five
+    launches, 0.042 in one (docs/design.md)."""
+    return True
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -666,25 +664,11 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     """(B, target_logit), both [rows] fp32: B is each row's logit at its target (column 0 where
     the target is ignored or in another rank's slice), the reference that ``row_stats`` stores
     exponentials against, and target_logit the same logit, NaN where the target is not one of
-    these columns. B is a lower bound of the row's max; a row whose max passes it by more than
-    the gap (a target of probability below e^-40) is moved to its max by ``row_factors``. With
-    ``rows`` (int64, where ``reference_in_place``) row i is hidden[rows[i]]."""
-    if _tensor_core_target():  # the logit from a tensor-core product, as the tiles'
-        return _picked_logits(hidden, weight, targets, opts, rows=rows)
-    if rows is not None:
-        raise ValueError("row_reference reads rows in place only from the tensor-core product")
-    n_rows, hidden_size = hidden.shape
-    out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
-    target_logit = torch.empty_like(out)
-    # Bound by memory (two rows of H per row): few rows a program and wide loads put enough
-    # programs and bytes in flight (16 rows a program ran at a quarter of the bandwidth).
-    block_r, block_h = (16, 32) if interpreting() else (4, 512)
-    K._picked_logit_kernel[(triton.cdiv(n_rows, block_r),)](
-        hidden, weight, targets, out, target_logit, n_rows, weight.shape[0], hidden_size,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), float(opts.logit_scale),
-        BLOCK_R=block_r, BLOCK_H=block_h,
-    )
-    return out, target_logit
+    these columns, both from a tensor-core product that sums as the logit kernel's tiles do. B is
+    a lower bound of the row's max; a row whose max passes it by more than the gap (a target of
+    probability below e^-40) is moved to its max by ``row_factors``. With ``rows`` (int64) row i
+    is hidden[rows[i]]."""
+    return _picked_logits(hidden, weight, targets, opts, rows=rows)
 
 
 def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None,
@@ -806,7 +790,7 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
     K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
         buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, _take_out(take_out, n_rows, buffer.device),
         row_factor, target_grad,
-        n_rows, vocab_size, buffer.stride(0), float(opts.logit_scale),
+        n_rows, vocab_size, float(opts.logit_scale),
         BLOCK_R=block_r, BLOCK_V=state.block_v, num_warps=4,
     )
     return row_factor, target_grad
@@ -819,6 +803,7 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     With label smoothing, ``class_weight`` [V] and ``smooth_grad`` [rows] give the smoothing
     term its class weights (see ``_chunked.kernel_row_grads``); ``entropy_grad`` [rows] is
     d out / d entropy_i, whose -e_i H_i part the caller has put in ``lse_grad``."""
+    assert lse.dtype == accumulation_dtype(hidden.dtype), "the kernel computes in lse's dtype"
     pointers = (bias, targets, out, lse, loss_grad, lse_grad, entropy_grad, class_weight, smooth_grad)
     scalars = (*_scale_and_cap(opts), *_smoothing_and_z_loss(opts), opts.inv_vocab_size(weight.shape[0]))
     _launch_tiles(K._tile_grad_kernel, hidden, weight, out, pointers, scalars, tile_width(hidden.dtype))
