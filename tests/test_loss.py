@@ -977,3 +977,33 @@ def test_bf16_gradients_over_many_chunks_are_no_worse_than_pytorchs(flce, tune, 
                                        ("grad_weight", ours[1], plain_weight.grad, ref.grad_weight)):
         error, plain_error = _relative_error(got, expected), _relative_error(plain, expected)
         assert error <= plain_error, f"{name} on {inputs} inputs: {error:.3g} against PyTorch's {plain_error:.3g}"
+
+
+def test_a_factored_chunk_drops_its_gathered_rows_before_grad_hidden(flce, tune, monkeypatch):
+    """A factored chunk's gathered hidden rows (a copy of H x element size bytes a row) are gone
+    once its scaled copy is made, before grad_hidden's fp32 block comes: the chunk plan counts
+    H x 4 bytes a row beside the buffer, one of these at a time. (The chunk loop's generator once
+    kept them, one chunk of hidden rows more at the step's peak.)"""
+    import weakref
+
+    chunked = submodule(flce, "_chunked")
+    tune(chunk_rows=8)
+    gathered, alive_at_grad_hidden = [], []
+    take, add_hidden_grad = chunked._RowOrder.take, chunked._Gradients.add_hidden_grad
+
+    def recording_take(self, t, start, end):
+        rows = take(self, t, start, end)
+        if rows.data_ptr() != t[start:end].data_ptr():  # a gathered copy, not a view of t
+            gathered.append(weakref.ref(rows))
+        return rows
+
+    def checking_add_hidden_grad(self, *args, **kwargs):
+        alive_at_grad_hidden.append(gathered[-1]() is not None if gathered else None)
+        return add_hidden_grad(self, *args, **kwargs)
+
+    monkeypatch.setattr(chunked._RowOrder, "take", recording_take)
+    monkeypatch.setattr(chunked._Gradients, "add_hidden_grad", checking_add_hidden_grad)
+    hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=91, ignore=0.3)
+    flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
+    assert gathered and len(alive_at_grad_hidden) > 1
+    assert not any(alive_at_grad_hidden), alive_at_grad_hidden
