@@ -8,7 +8,7 @@ same from ``hidden_states`` and the lm_head, without the (tokens, vocab) logits.
 
 ``token_metrics`` turns the metric sums of ``return_metrics=True`` into accuracy and entropy
 across ranks. The model-level helpers (``logit_options``, ``fused_forward``, ``patch_forward``)
-live in ``patching``; their old names here still resolve.
+live in ``patching``.
 """
 
 from collections.abc import Callable
@@ -150,14 +150,3 @@ def _all_reduce_sum(t: Tensor) -> Tensor:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
-
-_MOVED_TO_PATCHING = ("FusedCausalLMOutput", "fused_forward", "logit_options", "patch_forward", "unpatch_forward")
-
-
-def __getattr__(name: str):
-    # The transformers model helpers moved to ``patching``; imported lazily (it imports this module).
-    if name in _MOVED_TO_PATCHING:
-        from . import patching
-
-        return getattr(patching, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
