@@ -76,6 +76,8 @@ METHODS = ["fused-linear-ce", "fused-linear-ce-metrics", "torch", "torch.compile
 TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
 GRPO_TEMPERATURE = 0.7
 GRPO_ENTROPY_COEF = 0.01
+# Methods that bench.py --base also times on an earlier build.
+BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
 OTHER_LOSS = ("flce-grpo", "trl-grpo")
 
@@ -498,7 +500,8 @@ def main():
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     parser.add_argument("--base", default=None,
                         help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
-                             "methods fused-linear-ce@base and fused-linear-ce-metrics@base, laps alternating")
+                             "methods fused-linear-ce@base, fused-linear-ce-metrics@base and flce-sft@base (those of "
+                             "--methods), laps alternating")
     args = parser.parse_args()
 
     flce, loaded_from = load_flce()
@@ -509,7 +512,7 @@ def main():
     methods = []
     names = args.methods.split(",")
     if base is not None:
-        names += [f"{name}@base" for name in names if name in ("fused-linear-ce", "fused-linear-ce-metrics")]
+        names += [f"{name}@base" for name in names if name in BASE_METHODS]
         result["base"] = {"root": args.base, "revision": _revision(args.base)}
     for name in names:
         try:
