@@ -475,51 +475,51 @@ def summary(latest):
 
 
 def before_after_runs():
-    """(file, data) of the runs that timed an earlier build beside this one (``bench.py --base``)."""
-    runs = [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("h200-*.json"))]
-    return [(name, data) for name, data in runs if "base" in data]
+    """(file, data) of the runs that timed an earlier build beside this one (``bench.py --base``):
+    ``h200-*.json`` runs with every peer, ``before-after-*.json`` runs of the two builds (and
+    perhaps torch.compile) alone, in the order of their dates."""
+    paths = [*RESULTS.glob("h200-*.json"), *RESULTS.glob("before-after-*.json")]
+    runs = [(path.name, json.loads(path.read_text())) for path in paths]
+    return sorted([(name, data) for name, data in runs if "base" in data],
+                  key=lambda item: item[1]["environment"]["date"])
 
 
 def _before_after(data):
-    """Per (row, inputs) of one run: this kernel's step and forward ratios to the fastest peer of
-    the same run, for the earlier build and this one, and both builds' step memory."""
+    """Per (row, inputs) of one run: the earlier build's and this one's step and forward times
+    (the medians of their laps) and step memory less the gradients. Within a run a peer's time
+    is the same for both, so a change of time is the change of the ratio to any peer."""
     results = {(r["row"], r["inputs"], r["method"]): r for r in data["results"] if "error" not in r}
     out = []
     for (row, inputs, method), after in results.items():
         before = results.get((row, inputs, method + BASE))
         if method != OURS or before is None:
             continue
-        peers = [r for (rw, inp, m), r in results.items() if (rw, inp) == (row, inputs) and not m.startswith(OURS)]
-        if not peers:
-            continue
-        step_peer = min(r["step_ms"] for r in peers)
-        fwd_peer = min(r["fwd_ms"] for r in peers)
-        out.append(dict(row=row, inputs=inputs, step=(before["step_ms"] / step_peer, after["step_ms"] / step_peer),
-                        fwd=(fwd_peer / before["fwd_ms"], fwd_peer / after["fwd_ms"]),
+        out.append(dict(row=row, inputs=inputs, laps=len(after.get("step_ms_laps", [after["step_ms"]])),
+                        step=(before["step_ms"], after["step_ms"]), fwd=(before["fwd_ms"], after["fwd_ms"]),
                         mib=(before["step_peak_minus_grads_mib"], after["step_peak_minus_grads_mib"])))
     return out
 
 
 def before_after_section(runs) -> str:
-    """The step and forward ratios to the peers before and after a change, in one run."""
+    """The step and forward times of an earlier build and this one, run by run."""
     lines = []
     for name, data in runs:
         base = data["base"]
-        lines += [f"`{name}`: this build against {base.get('revision') or base['root']} (`bench.py --base`), "
-                  "every method timed in the same process, laps alternating.", "",
-                  "| row | inputs | step / fastest peer's: before → after | fastest peer's forward / forward: "
-                  "before → after | step's extra memory less the gradients, MiB: before → after |",
-                  "|---|---|---|---|---|"]
+        peers = sorted({r["method"] for r in data["results"] if not r["method"].startswith(OURS)})
+        lines += [f"`{name}`: this build against {base.get('revision') or base['root']} "
+                  f"(peers in the run: {', '.join(peers) or 'none'}).", "",
+                  "| row | laps | step ms: before → after | forward ms: before → after | step's extra memory "
+                  "less the gradients, MiB: before → after |", "|---|---|---|---|---|"]
         for e in _before_after(data):
             (sb, sa), (fb, fa), (mb, ma) = e["step"], e["fwd"], e["mib"]
-            lines.append(f"| {e['row']} | {e['inputs']} | {sb:.3f} → {sa:.3f} ({sa / sb - 1:+.1%}) | "
-                         f"{fb:.3f} → {fa:.3f} ({fa / fb - 1:+.1%}) | {mb:.0f} → {ma:.0f} |")
+            lines.append(f"| {e['row']} ({e['inputs']}) | {e['laps']} | {sb:.2f} → {sa:.2f} ({sa / sb - 1:+.1%}) | "
+                         f"{fb:.2f} → {fa:.2f} ({fa / fb - 1:+.1%}) | {mb:.0f} → {ma:.0f} |")
         lines.append("")
     return "\n".join(lines).rstrip()
 
 
 def before_after_sentence() -> str:
-    """README's sentence on the latest before/after run, its numbers from the JSON."""
+    """README's sentence on the latest before/after runs, their numbers from the JSON."""
     runs = before_after_runs()
     if not runs:
         return ""
@@ -529,11 +529,13 @@ def before_after_sentence() -> str:
         return ""
     step = [e["step"][1] / e["step"][0] - 1 for e in changes]
     fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
+    mib = [round(e["mib"][1] - e["mib"][0]) for e in changes]
     return (f"The simplification of the kernel (one shipped path, four settings, smaller kernels) was timed against "
-            f"the build before it ({data['base'].get('revision') or data['base']['root']}) in one run (`{name}`): "
-            f"on {len(changes)} rows its step ratio to the fastest peer moved by {min(step):+.1%} to "
-            f"{max(step):+.1%} and its forward's by {min(fwd):+.1%} to {max(fwd):+.1%} (BENCHMARKS.md, "
-            f"\"Before and after\").")
+            f"the build before it ({data['base'].get('revision') or data['base']['root']}) in the same process: in "
+            f"the latest such run (`{name}`, {changes[0]['laps']} laps, {len(changes)} rows) the step's time changed "
+            f"by {min(step):+.1%} to {max(step):+.1%}, the forward's by {min(fwd):+.1%} to {max(fwd):+.1%}, and "
+            f"a step's memory by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\", every "
+            f"run).")
 
 
 COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft": "SFT's per-token outputs"}
@@ -886,8 +888,10 @@ def main():
     if before_after:
         parts += ["", "## Before and after", "",
                   "Runs that timed an earlier build beside this one in the same process (`bench.py --base`, the "
-                  "earlier build from `scripts/export_build`): a ratio's change between the builds is within the "
-                  "run, not between machines or days.", "", before_after_section(before_after)]
+                  "earlier build from `scripts/export_build`), laps alternating: a change between the builds is "
+                  "within the run, not between machines or days, and it is the change of the ratio to any peer "
+                  "of the run. The runs differ by the build of this kernel they timed (docs/design.md).", "",
+                  before_after_section(before_after)]
     trl = trl_runs()
     if trl:
         parts += ["", "## TRL's fused LM head: SFT's and GRPO's outputs, and the metrics' cost", "", trl_section(trl)]

@@ -172,36 +172,23 @@ def spill_bytes(kernel) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
-# The Gluon sweep's modes (``_gluon_stats._mode``): which of its optional arguments are given.
-GLUON_MODES = {"stats": (), "stats+metrics": ("metrics",), "referenced+metrics": ("metrics", "referenced"),
-               "training": ("referenced", "store"), "training+metrics": ("metrics", "referenced", "store")}
-
-
-def compile_gluon_stats(dtype_name: str, even_v: bool, mode: tuple[str, ...]):
-    """``_gluon_stats.tile_stats_kernel`` in one of its modes (``GLUON_MODES``: the statistics,
-    relative to each row's reference or to the tile max, with or without the metrics; with
-    "store" the training sweep's stored exponentials too) compiled for sm_90."""
+def compile_gluon_stats(dtype_name: str, even_v: bool, store_exp: bool):
+    """``_gluon_stats.tile_stats_kernel`` (the statistics in Gluon; with ``store_exp`` the training
+    sweep's stored exponentials too) compiled for sm_90."""
     from fused_linear_ce import _gluon_stats as G
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     dtype = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype_name]
-    blocks = {"h_desc": [G.ROWS_PER_GROUP.value, G.BLOCK_K.value], "w_desc": [G.BLOCK_V.value, G.BLOCK_K.value]}
-    if "store" in mode:
-        blocks["buffer_desc"] = [G.ROWS_PER_GROUP.value, G.HALF_V.value]
+    blocks = {"h_desc": [G.ROWS_PER_GROUP.value, G.BLOCK_K.value], "w_desc": [G.BLOCK_V.value, G.BLOCK_K.value],
+              "buffer_desc": [G.ROWS_PER_GROUP.value, G.HALF_V.value] if store_exp else None}
+    blocks["buffer_desc"] = blocks["buffer_desc"] or blocks["h_desc"]  # not read without store_exp
     signature = {name: f"tensordesc<{dtype_name}{block},{gl.NVMMASharedLayout.get_default_for(block, dtype)!r}>"
                  for name, block in blocks.items()}
-    given = {"tile_entropy_ptr": "metrics" in mode, "tile_argmax_ptr": "metrics" in mode,
-             "row_ref_ptr": "referenced" in mode, "loss_grad_ptr": "store" in mode}
-    signature.update({"tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "tile_entropy_ptr": "*fp32",
-                      "tile_argmax_ptr": "*i32", "row_ref_ptr": "*fp32", "loss_grad_ptr": "*fp32"})
-    constants = {"EVEN_V": even_v}
-    for name in [*(n for n, on in given.items() if not on), *(["buffer_desc"] if "store" not in mode else [])]:
-        signature[name], constants[name] = "constexpr", None
-    signature.update({"n_rows": "i32", "vocab_size": "i32", "hidden_size": "i32", "group_blocks": "i32",
-                      "EVEN_V": "constexpr"})
-    order = list(inspect.signature(G.tile_stats_kernel.fn).parameters)
-    source = GluonASTSource(G.tile_stats_kernel, {name: signature[name] for name in order}, constants)
+    signature.update({"tile_max_ptr": "*fp32", "tile_sum_ptr": "*fp32", "row_ref_ptr": "*fp32",
+                      "loss_grad_ptr": "*fp32", "n_rows": "i32", "vocab_size": "i32", "hidden_size": "i32",
+                      "group_blocks": "i32", "EVEN_V": "constexpr", "STORE_EXP": "constexpr"})
+    source = GluonASTSource(G.tile_stats_kernel, signature, {"EVEN_V": even_v, "STORE_EXP": store_exp})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 
 
@@ -231,11 +218,11 @@ def main() -> int:
             except Exception as e:
                 failed += 1
                 print(f"{name} flags={int(flags_on)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
-    gluon_cases = [(d, e, m) for d in ("bf16", "fp16") for e in (True, False) for m in GLUON_MODES]
-    for dtype_name, even_v, mode in gluon_cases if args.gluon else ():
-        name = f"_gluon_stats {dtype_name} EVEN_V={int(even_v)} {mode}"
+    gluon_cases = [(d, e, x) for d in ("bf16", "fp16") for e in (True, False) for x in (False, True)]
+    for dtype_name, even_v, store_exp in gluon_cases if args.gluon else ():
+        name = f"_gluon_stats {dtype_name} EVEN_V={int(even_v)} STORE_EXP={int(store_exp)}"
         try:
-            kernel = compile_gluon_stats(dtype_name, even_v, GLUON_MODES[mode])
+            kernel = compile_gluon_stats(dtype_name, even_v, store_exp)
             ptx = kernel.asm["ptx"]
             print(f"{name}: ok {kernel.metadata.shared} spills={spill_bytes(kernel)}"
                   f" wgmma.m64n256k16={ptx.count('wgmma.mma_async.sync.aligned.m64n256k16')}"

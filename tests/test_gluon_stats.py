@@ -91,11 +91,11 @@ def test_the_forward_takes_the_gluon_statistics_in_whole_tiles(flce, monkeypatch
 
 
 @pytest.mark.parametrize("options", [
-    dict(softcap=30.0), dict(logit_scale=0.5), dict(label_smoothing=0.1), dict(bias=True),
+    dict(return_metrics=True), dict(softcap=30.0), dict(logit_scale=0.5), dict(label_smoothing=0.1), dict(bias=True),
 ])
 def test_the_gluon_statistics_leave_other_forwards_to_the_logit_kernel(flce, monkeypatch, options):
-    """Softcap, a logit scale, smoothing's logit sum and a bias need the logit kernel's
-    epilogue: the Gluon kernel is not launched, and the losses are float64's."""
+    """Metrics, softcap, a logit scale, smoothing's logit sum and a bias need the logit
+    kernel's epilogue: the Gluon kernel is not launched, and the losses are float64's."""
     options = dict(options)
     hidden, weight, targets, bias = make_inputs(600, 64, 500, torch.bfloat16, seed=3, bias=options.pop("bias", False),
                                                 requires_grad=False)
@@ -185,12 +185,10 @@ def _spy_training_sweeps(monkeypatch, flce):
     gluon = _gluon(flce)
     rows, original = [], gluon.tile_stats
 
-    def spy(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref=None, loss_grad=None, buffer=None,
-            tile_entropy=None, tile_argmax=None):
+    def spy(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref=None, loss_grad=None, buffer=None):
         if buffer is not None:
             rows.append(hidden.shape[0])
-        return original(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref, loss_grad, buffer,
-                        tile_entropy, tile_argmax)
+        return original(hidden, weight, tile_max, tile_sum_exp, group_rows, programs, row_ref, loss_grad, buffer)
 
     monkeypatch.setattr(gluon, "tile_stats", spy)
     return rows
@@ -242,10 +240,11 @@ def test_a_training_step_spreads_its_chunks_in_the_sweeps_tiles(flce, monkeypatc
     assert_rel(weight.grad, ref.grad_weight, tolerance(torch.bfloat16, "grad"), f"grad_weight, {row_block}")
 
 
-@pytest.mark.parametrize("options", [dict(z_loss_scale=1e-3), dict(dtype=torch.float16)])
+@pytest.mark.parametrize("options", [dict(return_metrics=True), dict(z_loss_scale=1e-3), dict(dtype=torch.float16)])
 def test_training_steps_the_gluon_sweep_cannot_take_use_the_logit_kernel(flce, monkeypatch, options):
-    """With ``gluon_training`` on, z-loss and fp16 (neither factored) keep the logit kernel's
-    training sweep: no Gluon launch stores a buffer, and the gradients are float64's."""
+    """With ``gluon_training`` on, metrics (the entropy and argmax of each tile), z-loss and
+    fp16 (neither factored) keep the logit kernel's training sweep: no Gluon launch stores a
+    buffer, and the gradients are float64's."""
     options = dict(options)
     dtype = options.pop("dtype", torch.bfloat16)
     hidden, weight, targets, _ = make_inputs(1000, 128, 700, dtype, seed=11, ignore=0.1)
@@ -259,54 +258,3 @@ def test_training_steps_the_gluon_sweep_cannot_take_use_the_logit_kernel(flce, m
                     **{k: val for k, val in options.items() if k != "return_metrics"})
     assert_rel(hidden.grad, ref.grad_hidden, tolerance(dtype, "grad"), f"grad_hidden with {options}")
     assert_rel(weight.grad, ref.grad_weight, tolerance(dtype, "grad"), f"grad_weight with {options}")
-
-
-@pytest.mark.parametrize("v", [1000, 2048])  # a partial last vocabulary tile, and none
-def test_the_gluon_metrics_are_the_logit_kernels(flce, monkeypatch, v):
-    """The metrics in the Gluon sweeps (each tile's entropy term and first argmax): a training
-    step and a forward with ``return_metrics=True`` launch the Gluon kernel; the predictions
-    (first argmax) equal the logit kernel's (``gluon`` off) and float64's, and the entropy sums
-    float64's; the loss and gradients are bit for bit those of the same step without metrics."""
-    hidden, weight, targets, _ = make_inputs(1500, 128, v, torch.bfloat16, seed=v, ignore=0.1, scale=3.0)
-    ref = reference(hidden, weight, targets, grad_output=torch.tensor(1.0))
-    rows = _spy_gluon(monkeypatch, flce)
-    results = {}
-    for return_metrics, gluon in ((False, True), (True, True), (True, False)):
-        hidden.grad = weight.grad = None
-        rows.clear()
-        with submodule(flce, "_settings").override(gluon=gluon):
-            out = flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=return_metrics)
-            loss, metrics = out if return_metrics else (out, None)
-            loss.backward()
-            with torch.no_grad():
-                _, forward_metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
-        assert (len(rows) > 0) == gluon, (return_metrics, gluon, rows)
-        results[return_metrics, gluon] = (loss.detach(), hidden.grad.clone(), weight.grad.clone(), metrics,
-                                          forward_metrics)
-    plain, with_metrics, logit_kernel = results[False, True], results[True, True], results[True, False]
-    for a, b in zip(plain[:3], with_metrics[:3], strict=True):
-        assert torch.equal(a, b)
-    clear = ~ref.ambiguous.reshape(-1)  # rows without a near-tie at the top (within the logits' rounding)
-    for metrics in (with_metrics[3], with_metrics[4], logit_kernel[3]):
-        assert torch.equal(metrics["predictions"].cpu()[clear], ref.predictions[clear])
-        assert_rel(metrics["entropy_sum"], ref.entropy_sum, tolerance(torch.bfloat16, "loss"), "entropy_sum")
-    # the same tile products (the same k16 steps of wgmma): the same logits, the same first argmax
-    assert torch.equal(with_metrics[3]["predictions"], logit_kernel[3]["predictions"])
-
-
-def test_per_token_outputs_take_the_gluon_sweeps_and_match_with_or_without_gradients(flce, monkeypatch):
-    """SFT's per-token outputs (log-probs, entropy, top-1): the training sweep and the forward
-    without gradients both take the Gluon kernel (the latter relative to the rows' references),
-    and their outputs are equal bit for bit."""
-    hidden, weight, targets, _ = make_inputs(1200, 128, 1000, torch.bfloat16, seed=23, ignore=0.0, scale=3.0)
-    rows = _spy_gluon(monkeypatch, flce)
-    outputs = ("log_probs", "entropy", "is_top1")
-    with torch.no_grad():
-        without = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
-    assert rows, "the forward without gradients takes the Gluon sweep"
-    rows.clear()
-    with_grads = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
-    (-with_grads.log_probs.sum() / targets.numel()).backward()
-    assert rows, "the training sweep takes the Gluon sweep"
-    for name in outputs:
-        assert torch.equal(getattr(without, name), getattr(with_grads, name).detach()), name

@@ -8,14 +8,12 @@ K step, three 64-row blocks of hidden and one 256-row block of weight. A tile th
 Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles. On the H200 it ran the
 statistics 1-3% faster a flop than the logit kernel.
 
-Three sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
-logit sum; z-loss and class weights enter the loss only), each with or without the metrics (each
-tile's entropy term and first argmax, as the logit kernel computes them): the forward's
-statistics (the logit kernel's statistics without the target pick), the same relative to each
-row's reference (a forward that must match a training step's sums, ``match_training``), and
-(with ``gluon_training``) the factored training sweep (the sums relative to each row's
-reference, and the exponentials stored to the chunk buffer by the copy engine, half a tile at a
-time through 48 KB of shared memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
+Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
+logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
+(the logit kernel's statistics without the target pick) and (with ``gluon_training``) the
+factored training sweep (its buffer of exponentials: the sums relative to each row's reference, and the exponentials
+stored to the chunk buffer by the copy engine, half a tile at a time through 48 KB of shared
+memory beside the ring). Everything else, and every GPU without Hopper's wgmma or a Triton
 without this Gluon API (it is experimental and moves: written for Triton 3.6), uses the logit
 kernel. The interpreter runs no Gluon: the GPU tests check this path against float64 and the
 logit kernel, and the CPU tests compile it for sm_90 (``scripts/compile_sm90.py --gluon``).
@@ -37,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._kernels import LOG2E, NAN_INDEX, NO_INDEX, REFERENCE_GAP
+from ._kernels import LOG2E, REFERENCE_GAP
 from ._settings import current as settings
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
@@ -47,10 +45,6 @@ BLOCK_K = gl.constexpr(64)
 STAGES = gl.constexpr(3)  # 3 x 56 KB of shared memory
 BLOCK_N = ROWS_PER_GROUP.value * GROUPS.value  # rows a tile: 192
 HALF_V = gl.constexpr(128)  # columns of a stored half tile
-# A sweep's mode (``_mode``): the bits of what it computes besides each tile's max and sum.
-METRICS = gl.constexpr(1)  # each tile's entropy term and first argmax
-REFERENCED = gl.constexpr(2)  # sums relative to each row's reference, not to the tile max
-STORE = gl.constexpr(4)  # the training sweep's exponentials stored to the chunk buffer
 # The copy engine's load and store: ``async_load`` / ``async_store`` from Triton 3.7 on (which
 # removes the older names).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -125,57 +119,35 @@ def _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which: gl.conste
 @gluon.jit
 def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which: gl.constexpr,
                    EVEN_V: gl.constexpr):
-    """Each of warpgroup ``which``'s 64 rows: the tile's max m and sum of exp(z - R), R = m, or
-    with a reference (``MODE``, ``_mode``) the row's reference unless m passes it by more than
-    REFERENCE_GAP (``_kernels._exp_reference``); with the metrics, the entropy term
-    sum exp(z - R) (R - z) and the first column of the max, a NaN counting as +inf (the logit
-    kernel's rules, ``_kernels._tile_stats_kernel``); in the training sweep, exp(z - R) goes to
-    the chunk buffer (0 on rows without gradient). ``out``: what the epilogue writes and reads,
-    (tile_max, tile_sum[, tile_entropy, tile_argmax][, row_ref][, loss_grad, the buffer's
-    descriptor, the staging tiles])."""
-    MODE: gl.constexpr = _mode_of(out)
-    HAS_METRICS: gl.constexpr = _has(MODE, METRICS)
-    HAS_REFERENCE: gl.constexpr = _has(MODE, REFERENCED)
-    STORE_EXP: gl.constexpr = _has(MODE, STORE)
-    REF_AT: gl.constexpr = 4 if HAS_METRICS else 2  # where row_ref is in ``out``, then the store's operands
-    col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
-    cols = pid_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=col_layout)
+    """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - m), m the tile max;
+    in the training sweep (the logit kernel's factored sweep, ``_stores_exp``), m is the row's reference
+    unless the tile max passes it by more than REFERENCE_GAP (``_kernels._exp_reference``), and
+    exp(z - m) goes to the chunk buffer (0 on rows without gradient). ``out``: what the epilogue
+    writes and reads, (tile_max, tile_sum[, row_ref, loss_grad, the buffer's descriptor, the
+    staging tiles])."""
+    STORE_EXP: gl.constexpr = _stores_exp(out)
+    tile_max_ptr = out[0]
+    tile_sum_ptr = out[1]
     if not EVEN_V:  # columns past the vocabulary (zeros from the copy engine) take no part
+        col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+        cols = pid_v * BLOCK_V + gl.arange(0, BLOCK_V, layout=col_layout)
         acc = gl.where((cols < vocab_size)[None, :], acc, float("-inf"))
     row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     first_row = (pid_n * GROUPS + which) * ROWS_PER_GROUP
     rows = first_row + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
     row_mask = rows < n_rows
     tile_max = gl.max(acc, axis=1)
-    if HAS_METRICS:  # a NaN counts as +inf for the max and its first column
-        is_nan = acc != acc
-        tile_max = gl.where(gl.max(is_nan.to(gl.int32), axis=1) > 0, float("inf"), tile_max)
-        argmax = gl.min(gl.where((acc == tile_max[:, None]) | is_nan, cols[None, :], NO_INDEX), axis=1)
     reference = tile_max
-    if HAS_REFERENCE:
-        row_ref = gl.load(out[REF_AT] + rows, mask=row_mask, other=0.0)
-        reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
-    shifted = acc - reference[:, None]
-    exp_shifted = gl.exp2(shifted * LOG2E)  # as the logit kernel (``_kernels.LOG2E``)
-    if HAS_METRICS:  # both sums in one pass over the tile (two would keep it and its exponentials live)
-        if EVEN_V:  # no -inf logit: no 0 * inf to take out
-            entropy_terms = -(exp_shifted * shifted)
-        else:
-            entropy_terms = gl.where(exp_shifted > 0.0, -exp_shifted * shifted, 0.0)
-        sum_exp, entropy_term = gl.reduce((exp_shifted, entropy_terms), 1, _add_pairs)
-    else:
-        sum_exp = gl.sum(exp_shifted, axis=1)
-    stat = rows.to(gl.int64) * num_col_tiles + pid_v
-    gl.store(out[0] + stat, tile_max, mask=row_mask)
-    gl.store(out[1] + stat, sum_exp, mask=row_mask)
-    if HAS_METRICS:
-        gl.store(out[2] + stat, entropy_term, mask=row_mask)
-        # NO_INDEX where the tile is all -inf (past V); a NaN's column marked NAN_INDEX (its sum is NaN)
-        argmax = gl.where(tile_max == float("-inf"), NO_INDEX,
-                          gl.where(sum_exp != sum_exp, argmax | NAN_INDEX, argmax))
-        gl.store(out[3] + stat, argmax, mask=row_mask)
     if STORE_EXP:
-        loss_grad = gl.load(out[REF_AT + 1] + rows, mask=row_mask, other=1.0)
+        row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
+        reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
+    exp_shifted = gl.exp2((acc - reference[:, None]) * LOG2E)  # as the logit kernel (``_kernels.LOG2E``)
+    sum_exp = gl.sum(exp_shifted, axis=1)
+    stat = rows.to(gl.int64) * num_col_tiles + pid_v
+    gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)
+    gl.store(tile_sum_ptr + stat, sum_exp, mask=row_mask)
+    if STORE_EXP:
+        loss_grad = gl.load(out[3] + rows, mask=row_mask, other=1.0)
         no_grad = loss_grad == 0.0
         # Zeros on the rows without gradient, only where this warpgroup has such a row (few do: a
         # step's ignored rows come last in its order, where only a chunk planned before their
@@ -184,29 +156,16 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
         # by one: about two instructions an element.
         if gl.max(no_grad.to(gl.int32), axis=0) > 0:
             exp_shifted = gl.where(no_grad[:, None], 0.0, exp_shifted)
-        buffer_desc = out[REF_AT + 2]
-        _store_halves(exp_shifted.to(buffer_desc.dtype), buffer_desc, out[REF_AT + 3].index(which), first_row,
+        buffer_desc = out[4]
+        _store_halves(exp_shifted.to(buffer_desc.dtype), buffer_desc, out[5].index(which), first_row,
                       pid_v * BLOCK_V)
 
 
-@gluon.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
 @gluon.constexpr_function
-def _mode_of(out):
-    """A partition's mode from its ``out`` (warp_specialize hands constexprs over as values, so the
-    mode goes as the tuple's length, which stays known at compile time): 2 pointers for the max
-    and sum, 2 more for the metrics, 1 for the reference, 3 for the store."""
-    return {2: 0, 3: REFERENCED.value, 4: METRICS.value, 5: METRICS.value + REFERENCED.value,
-            6: REFERENCED.value + STORE.value, 8: METRICS.value + REFERENCED.value + STORE.value}[len(out)]
-
-
-@gluon.constexpr_function
-def _has(mode, bit):
-    """Whether a sweep's ``mode`` (``_mode``) has ``bit``: METRICS, REFERENCED or STORE."""
-    return (int(mode) & int(bit)) != 0
+def _stores_exp(out):
+    """Whether the partitions' ``out`` is the training sweep's (warp_specialize hands flags over
+    as values, so the mode goes as the tuple's length, which stays known at compile time)."""
+    return len(out) > 2
 
 
 @gluon.jit
@@ -265,7 +224,7 @@ def _loading_group(h_desc, w_desc, a_bufs, b_bufs, ready, empty, out, n_rows, vo
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
         _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, 0, EVEN_V)
-    if _has(_mode_of(out), STORE):
+    if _stores_exp(out):
         tma.store_wait(0)  # the last half tile has left shared memory
 
 
@@ -279,7 +238,7 @@ def _group(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks
         acc = _tile_products(a_bufs, b_bufs, ready, empty, step, k_steps, which)
         step += k_steps
         _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, which, EVEN_V)
-    if _has(_mode_of(out), STORE):
+    if _stores_exp(out):
         tma.store_wait(0)
 
 
@@ -300,17 +259,15 @@ def _group_2(a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_bloc
 # n_rows unspecialised: a step's chunks differ in it (and in its divisibility by 16), and each
 # specialisation would be compiled anew.
 @gluon.jit(do_not_specialize=["n_rows"])
-def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, tile_entropy_ptr, tile_argmax_ptr, row_ref_ptr,
-                      loss_grad_ptr, buffer_desc, n_rows, vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr):
-    """Tile statistics [n_rows, ceil(V / 256)] of z = hidden [n_rows, H] @ weight [V, H].T: each
-    (row, 256-column tile)'s max (fp32) and sum of exp(z - R) (fp32), and with ``tile_entropy`` and
-    ``tile_argmax`` (or None) its entropy term (fp32) and first argmax (int32), persistent over
-    192 x 256 tiles taken in groups of ``group_blocks`` row blocks (the logit kernel's order). R is
-    the tile max, or with ``row_ref`` [n_rows] (fp32; or None) each row's reference; with
-    ``buffer_desc`` (a [n_rows, V] buffer of the inputs' dtype, in 64 x 128 blocks; or None, and
-    then ``loss_grad`` too) the factored training sweep: exp(z - R) stored there, zero on the rows
-    whose loss_grad [n_rows] (fp32) is 0."""
-    MODE: gl.constexpr = _mode(tile_entropy_ptr, row_ref_ptr, buffer_desc)
+def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, n_rows,
+                      vocab_size, hidden_size, group_blocks, EVEN_V: gl.constexpr, STORE_EXP: gl.constexpr):
+    """Tile statistics [n_rows, ceil(V / 256)] fp32 of z = hidden [n_rows, H] @ weight [V, H].T:
+    each (row, 256-column tile)'s max and sum of exp(z - m), persistent over 192 x 256 tiles
+    taken in groups of ``group_blocks`` row blocks (the logit kernel's order). m is the tile max;
+    with STORE_EXP, as in the logit kernel's factored sweep, the reference of row_ref [n_rows] (fp32),
+    and exp(z - m) stored through ``buffer_desc`` (a [n_rows, V] buffer of the inputs' dtype, in
+    64 x 128 blocks), zero on the rows whose loss_grad [n_rows] (fp32) is 0. Without STORE_EXP
+    row_ref, loss_grad and the buffer are not read."""
     a_bufs = gl.allocate_shared_memory(h_desc.dtype, [STAGES * GROUPS, ROWS_PER_GROUP, BLOCK_K], h_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -321,28 +278,16 @@ def tile_stats_kernel(h_desc, w_desc, tile_max_ptr, tile_sum_ptr, tile_entropy_p
     num_row_blocks = gl.cdiv(n_rows, GROUPS * ROWS_PER_GROUP)
     num_col_tiles = gl.cdiv(vocab_size, BLOCK_V)
     k_steps = gl.cdiv(hidden_size, BLOCK_K)
-    # Only what the epilogue reads goes to the partitions (unused captures fail Triton 3.6's
-    # lowering), in ``_tile_epilogue``'s order; the mode goes as the tuple's length (``_mode_of``).
-    out = (tile_max_ptr, tile_sum_ptr)
-    if _has(MODE, METRICS):
-        out = out + (tile_entropy_ptr, tile_argmax_ptr)
-    if _has(MODE, REFERENCED):
-        out = out + (row_ref_ptr, )
-    if _has(MODE, STORE):
+    # Only what the epilogue reads goes to the partitions (unused captures fail Triton 3.6's lowering).
+    if STORE_EXP:
         staging = gl.allocate_shared_memory(buffer_desc.dtype, [GROUPS, ROWS_PER_GROUP, HALF_V], buffer_desc.layout)
-        out = out + (loss_grad_ptr, buffer_desc, staging)
+        out = (tile_max_ptr, tile_sum_ptr, row_ref_ptr, loss_grad_ptr, buffer_desc, staging)
+    else:
+        out = (tile_max_ptr, tile_sum_ptr)
     args = (a_bufs, b_bufs, ready, empty, out, n_rows, vocab_size, num_row_blocks, num_col_tiles, k_steps,
             group_blocks, EVEN_V)
     gl.warp_specialize([(_loading_group, (h_desc, w_desc) + args), (_group_1, args), (_group_2, args)],
                        [4, 4], [168, 168])
-
-
-@gluon.constexpr_function
-def _mode(tile_entropy, row_ref, buffer_desc):
-    """The sweep's mode from which of its arguments are None: the bits METRICS, REFERENCED and
-    STORE (the training sweep, which is referenced)."""
-    return ((METRICS.value if tile_entropy is not None else 0) + (REFERENCED.value if row_ref is not None else 0)
-            + (STORE.value if buffer_desc is not None else 0))
 
 
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -380,16 +325,13 @@ def _movable(t: torch.Tensor) -> bool:
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tensor, tile_sum_exp: torch.Tensor,
                group_rows: int, programs: int, row_ref: torch.Tensor | None = None,
-               loss_grad: torch.Tensor | None = None, buffer: torch.Tensor | None = None,
-               tile_entropy: torch.Tensor | None = None, tile_argmax: torch.Tensor | None = None) -> None:
-    """Writes each (row, 256-column tile)'s max and sum of exp(z - R) of z = hidden [n_rows, H]
+               loss_grad: torch.Tensor | None = None, buffer: torch.Tensor | None = None) -> None:
+    """Writes each (row, 256-column tile)'s max and sum of exp(z - max) of z = hidden [n_rows, H]
     @ weight [V, H].T to ``tile_max`` and ``tile_sum_exp`` [n_rows, ceil(V / 256)] (fp32,
-    contiguous), R the tile max, or each row's reference with ``row_ref`` [n_rows] fp32; with
-    ``tile_entropy`` (fp32) and ``tile_argmax`` (int32) of the same shape, the metrics' entropy
-    term and first argmax. Tiles are swept in groups of about ``group_rows`` rows, on at most
-    ``programs`` persistent programs. With ``buffer`` [n_rows, V] (the inputs' dtype, rows the
-    copy engine can move), ``row_ref`` and ``loss_grad`` [n_rows] fp32: the logit kernel's
-    factored sweep, exp(z - R) stored to ``buffer``."""
+    contiguous); tiles are swept in groups of about ``group_rows`` rows, on at most ``programs``
+    persistent programs. With ``buffer`` [n_rows, V] (the inputs' dtype, rows the copy engine can
+    move), ``row_ref`` and ``loss_grad`` [n_rows] fp32, the logit kernel's factored sweep instead: the sums
+    are relative to each row's reference and exp(z - reference) goes to ``buffer``."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     if n_rows == 0 or vocab_size == 0:
@@ -398,15 +340,16 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, tile_max: torch.Tenso
     block_h, block_w = [ROWS_PER_GROUP.value, BLOCK_K.value], [BLOCK_V.value, BLOCK_K.value]
     h_desc = TensorDescriptor.from_tensor(hidden, block_h, gl.NVMMASharedLayout.get_default_for(block_h, dtype))
     w_desc = TensorDescriptor.from_tensor(weight, block_w, gl.NVMMASharedLayout.get_default_for(block_w, dtype))
-    buffer_desc = None
-    if buffer is not None:
+    store_exp = buffer is not None
+    if store_exp:
         assert row_ref is not None and loss_grad is not None and _movable(buffer) and buffer.dtype == hidden.dtype
         block_out = [ROWS_PER_GROUP.value, HALF_V.value]
         buffer_desc = TensorDescriptor.from_tensor(buffer, block_out,
                                                    gl.NVMMASharedLayout.get_default_for(block_out, dtype))
-    assert (tile_entropy is None) == (tile_argmax is None)
+    else:
+        row_ref = loss_grad = tile_max  # not read
+        buffer_desc = h_desc
     num_tiles = triton.cdiv(n_rows, BLOCK_N) * triton.cdiv(vocab_size, BLOCK_V.value)
     tile_stats_kernel[(min(num_tiles, programs),)](
-        h_desc, w_desc, tile_max, tile_sum_exp, tile_entropy, tile_argmax, row_ref,
-        loss_grad if buffer is not None else None, buffer_desc, n_rows, vocab_size, hidden_size,
-        max(1, group_rows // BLOCK_N), EVEN_V=vocab_size % BLOCK_V.value == 0, num_warps=4)
+        h_desc, w_desc, tile_max, tile_sum_exp, row_ref, loss_grad, buffer_desc, n_rows, vocab_size, hidden_size,
+        max(1, group_rows // BLOCK_N), EVEN_V=vocab_size % BLOCK_V.value == 0, STORE_EXP=store_exp, num_warps=4)

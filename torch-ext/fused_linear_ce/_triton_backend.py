@@ -173,10 +173,10 @@ def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: b
     sets a step's (exploration)."""
     if training:
         factored = _gluon_training() and factored_gradient(dtype, opts, has_bias)
-        gluon = _gluon_sweep(dtype, opts, has_bias, device) if factored else None
+        gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device) if factored else None
         forced = settings().training_row_block
         return forced if forced is not None else 128 if gluon is None else gluon.BLOCK_N
-    gluon = _gluon_sweep(dtype, opts, has_bias, device)
+    gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
     return 128 if gluon is None else gluon.BLOCK_N
 
 
@@ -349,12 +349,12 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         target_logit = _picked_logits(hidden, weight, targets, opts, bias)[1]
     factored = shifted_out is not None and row_ref is not None
     gluon = None
-    statistics_only = shifted_out is None and not pick_target and not (logit_sum or sum_sq)
-    if statistics_only or factored and _gluon_training():
-        gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, device)
+    plain_stats = shifted_out is None and not pick_target and row_ref is None and not (logit_sum or sum_sq)
+    if plain_stats or factored and _gluon_training():
+        gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
     buffer = shifted_out if factored else None  # the statistics alone store none
     if gluon is not None and gluon.applies(hidden, weight, buffer) and _gluon_tile_stats(
-            gluon, hidden, weight, tile_stats[:4], device, row_ref, loss_grad, buffer):
+            gluon, hidden, weight, tile_stats[0], tile_stats[1], device, row_ref, loss_grad, buffer):
         return tile_stats, target_logit, block_v, num_tiles
     pointers = (bias, targets, *tile_stats, target_logit if pick_target else None, shifted_out, row_ref,
                 loss_grad if factored else None, class_weight if tile_stats[4] is not None else None)
@@ -375,14 +375,14 @@ def _gluon_training() -> bool:
     return settings().gluon_training
 
 
-def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, device: torch.device):
-    """``_gluon_stats`` where it computes a statistics sweep (the statistics alone, against the
-    tile max or each row's reference, or the factored training sweep; with or without the
-    metrics) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the logits
-    z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters only
-    the loss), the target logit from the tensor-core product and the logit kernel's 256-column
-    tiles."""
-    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or has_bias:
+def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
+                 device: torch.device):
+    """``_gluon_stats`` where it computes a statistics sweep (the statistics alone, or the factored training
+    sweep) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
+    logits z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters
+    only the loss), no metrics, the target logit from the tensor-core product and the logit
+    kernel's 256-column tiles."""
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
         return None
     if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing:
         return None
@@ -413,19 +413,17 @@ def _gluon_stats_module():
 _gluon_compiled: set[tuple] = set()
 
 
-def _gluon_tile_stats(gluon, hidden, weight, tile_stats, device, row_ref=None, loss_grad=None, buffer=None) -> bool:
-    """Launches ``_gluon_stats``' kernel into ``tile_stats`` (max, sum, entropy term, argmax: the
-    last two None without the metrics; with ``buffer``, the factored sweep's); False (and the
+def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row_ref=None, loss_grad=None,
+                      buffer=None) -> bool:
+    """Launches ``_gluon_stats``' kernel (with ``buffer``, the factored sweep's); False (and the
     logit kernel from then on, with a warning) if its first launch of a specialisation fails:
     Gluon is experimental, and another Triton's may refuse this code where the logit kernel's
     language does not move."""
     global _gluon_stats
-    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, tile_stats[2] is not None, row_ref is not None,
-           buffer is not None, device)
-    tile_max, tile_sum_exp, tile_entropy, tile_argmax = tile_stats
+    key = (hidden.dtype, weight.shape[0] % gluon.BLOCK_V.value == 0, buffer is not None, device)
     try:
         gluon.tile_stats(hidden, weight, tile_max, tile_sum_exp, _group_rows(hidden), _max_programs(device),
-                         row_ref, loss_grad, buffer, tile_entropy, tile_argmax)
+                         row_ref, loss_grad, buffer)
     except Exception as error:
         if key in _gluon_compiled:  # it ran before: a failure of the launch itself
             raise
