@@ -146,11 +146,15 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     first_row = (pid_n * GROUPS + which) * ROWS_PER_GROUP
     rows = first_row + gl.arange(0, ROWS_PER_GROUP, layout=row_layout)
     row_mask = rows < n_rows
-    tile_max = gl.max(acc, axis=1)
-    if HAS_METRICS:  # a NaN counts as +inf for the max and its first column
-        is_nan = acc != acc
-        tile_max = gl.where(gl.max(is_nan.to(gl.int32), axis=1) > 0, float("inf"), tile_max)
-        argmax = gl.min(gl.where((acc == tile_max[:, None]) | is_nan, cols[None, :], NO_INDEX), axis=1)
+    tile_max = gl.max(acc, axis=1)  # (a NaN left out: see below)
+    if HAS_METRICS:  # the first column of the max, a NaN counting as +inf (the logit kernel's rule)
+        argmax = gl.min(gl.where(acc == tile_max[:, None], cols[None, :], NO_INDEX), axis=1)
+        if not STORE_EXP:  # (the training sweep keeps its exponentials for the store: it looks there)
+            has_nan = gl.max((acc != acc).to(gl.int32), axis=1) > 0
+            if gl.max(has_nan.to(gl.int32), axis=0) > 0:  # rare: only where a row here has a NaN
+                first_nan = gl.min(gl.where((acc != acc) | (acc == float("inf")), cols[None, :], NO_INDEX), axis=1)
+                argmax = gl.where(has_nan, first_nan, argmax)
+                tile_max = gl.where(has_nan, float("inf"), tile_max)
     reference = tile_max
     if HAS_REFERENCE:
         row_ref = gl.load(out[REF_AT] + rows, mask=row_mask, other=0.0)
@@ -163,6 +167,12 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
         else:
             entropy_terms = gl.where(exp_shifted > 0.0, -exp_shifted * shifted, 0.0)
         sum_exp, entropy_term = gl.reduce((exp_shifted, entropy_terms), 1, _add_pairs)
+        if STORE_EXP:  # a NaN (or +inf, whose z - m is NaN) makes its row's sum and exponential NaN
+            has_nan = sum_exp != sum_exp
+            if gl.max(has_nan.to(gl.int32), axis=0) > 0:  # rare: only where a row here has one
+                first_nan = gl.min(gl.where(exp_shifted != exp_shifted, cols[None, :], NO_INDEX), axis=1)
+                argmax = gl.where(has_nan, first_nan, argmax)
+                tile_max = gl.where(has_nan, float("inf"), tile_max)
     else:
         sum_exp = gl.sum(exp_shifted, axis=1)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
@@ -170,7 +180,7 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     gl.store(out[1] + stat, sum_exp, mask=row_mask)
     if HAS_METRICS:
         gl.store(out[2] + stat, entropy_term, mask=row_mask)
-        # NO_INDEX where the tile is all -inf (past V); a NaN's column marked NAN_INDEX (its sum is NaN)
+        # NO_INDEX where the tile is all -inf (past V); NAN_INDEX marks a row whose sum is NaN
         argmax = gl.where(tile_max == float("-inf"), NO_INDEX,
                           gl.where(sum_exp != sum_exp, argmax | NAN_INDEX, argmax))
         gl.store(out[3] + stat, argmax, mask=row_mask)
