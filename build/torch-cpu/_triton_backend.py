@@ -265,9 +265,9 @@ def _group_rows(hidden: torch.Tensor) -> int:
     return max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
 
 
-def _unit_columns(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [rows, C], copied where its columns are not adjacent (a transposed view)."""
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+def _unit_columns(t: torch.Tensor) -> bool:
+    """Whether the columns of ``t`` [rows, C] are adjacent (``_chunked.unit_columns`` sees to it)."""
+    return t.stride(1) == 1 or t.shape[1] <= 1
 
 
 def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, block_v: int) -> None:
@@ -275,10 +275,10 @@ def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, 
     (row block, vocabulary tile) of ``hidden`` [rows, H] @ ``weight`` [V, H].T. ``pointers``: the
     kernel's pointer arguments after hidden and weight, ``out`` (the buffer [rows, V], contiguous, or
     None) among them; ``scalars``: its scalar arguments, None where absent. The kernels read hidden
-    and weight with unit column strides: a tensor with other strides is copied first."""
+    and weight with unit column strides (``_chunked.unit_columns``)."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    hidden, weight = _unit_columns(hidden), _unit_columns(weight)
+    assert _unit_columns(hidden) and _unit_columns(weight), "the logit kernels read unit column strides"
     assert out is None or out.stride() == (vocab_size, 1), "the logit kernels store to a contiguous [rows, V]"
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
     # are aligned; block shapes are set per configuration (``_set_descriptor_blocks``).
@@ -509,14 +509,14 @@ def factored_rows(sweep: FactoredSweep, hidden, targets, opts: LossOptions, buff
     n_rows, hidden_size = hidden.shape
     vocab_size = buffer.shape[1]
     device = hidden.device
-    hidden = _unit_columns(hidden)
-    assert buffer.stride() == (vocab_size, 1) and sweep.num_tiles == triton.cdiv(vocab_size, sweep.block_v)
+    assert _unit_columns(hidden) and buffer.stride() == (vocab_size, 1)
+    assert sweep.num_tiles == triton.cdiv(vocab_size, sweep.block_v)
     stats = _new_row_stats(n_rows, sweep.target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
     row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
     # Two rows a program and 1024 columns a step: the hidden rows' scaling is bound by memory, and
-    # the more programs the more loads in flight (8 rows and 256 columns: 0.088 ms a Llama-2
-    # step on the H200, 0.045 so; docs/design.md).
+    # the more programs the more loads in flight (half the time of 8 rows and 256 columns;
+    # docs/design.md).
     block_r = 2
     K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
         *sweep.tile_stats, sweep.row_ref, sweep.target_logit, targets, _take_out(take_out, n_rows, device), loss_grad,
@@ -597,8 +597,8 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     loss_grad = torch.empty(n_rows, device=device, dtype=torch.float32)
     # Each program reads all N targets: blocks grow with N to keep the programs at 64 or fewer
     # (up to 262144 rows; a few when interpreting), to 4096 rows at 8 warps (8192 at 16 spill
-    # on sm_90 in Triton 3.9). At N = 8192, eight programs take 0.005 ms on the H200, one
-    # walking the blocks in turn took 0.020 (docs/design.md).
+    # on sm_90 in Triton 3.9): one program walking the blocks in turn took four times as long
+    # (docs/design.md).
     parts = 4 if interpreting() else 64
     block = min(4096, max(64 if interpreting() else 1024, triton.next_power_of_2(triton.cdiv(n_rows, parts))))
     K._order_rows_kernel[(max(1, triton.cdiv(n_rows, block)),)](
@@ -632,7 +632,7 @@ def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         float(opts.logit_scale), _scale_and_cap(opts)[1],
         INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
         # six stages of 16 KiB: a 64-row program a multiprocessor is bound by the loads in flight
-        # (three stages: 0.041 ms a Llama-2 step on the H200, six 0.031; docs/design.md)
+        # (three stages took a third longer; docs/design.md)
         num_warps=4, num_stages=6,
     )
     return out, target_logit
@@ -643,9 +643,8 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     """Every row's target logit [N] fp32 (NaN where the target is not a column here) from one
     ``_picked_logit_dot_kernel`` launch, where the statistics sweeps leave the target logit to it
     (``_target_logit_by_product``); with ``rows`` row i is hidden[rows[i]]. A launch of 64-row
-    programs takes about as long for any rows up to a round of them, so one launch instead of
-    one a chunk took 0.026 ms off a Llama-2 forward and 0.041 off a Llama-3 one on the H200
-    (docs/design.md)."""
+    programs takes about as long for any rows up to a round of them, so one launch serves the
+    step, not one a chunk (docs/design.md)."""
     if not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
@@ -653,9 +652,8 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
 
 def reference_in_place() -> bool:
     """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
-    loop takes every row's reference in one launch before its first chunk. A chunk of 1536 rows
-    gave the product 24 programs on 132 multiprocessors: 0.14 ms a Llama-2 step in five
-    launches, 0.042 in one (docs/design.md)."""
+    loop takes every row's reference in one launch before its first chunk: a chunk's rows give
+    the product too few programs to fill the GPU (docs/design.md)."""
     return True
 
 
@@ -693,8 +691,7 @@ def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_r
 
 def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
     """dst[rows] = 0 in place: dst [*, C] with unit column stride, rows int64 [n]. Vector stores,
-    where ``index_fill_``'s elementwise kernel stores 2 bytes at a time (Llama-2's ignored rows:
-    0.0027 ms, against most of the 0.015 ms of the step's index kernels before; docs/design.md)."""
+    where ``index_fill_``'s elementwise kernel stores 2 bytes at a time (docs/design.md)."""
     n_rows, n_cols = rows.shape[0], dst.shape[1]
     if n_rows == 0:
         return
@@ -784,6 +781,7 @@ def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: 
     ``_kernels``); ``take_out`` [rows] int8 (None: none) flags the rows whose target entry
     leaves the products (``_kernels._factor_rows``)."""
     n_rows, vocab_size = buffer.shape
+    assert buffer.stride() == (vocab_size, 1), "the kernel reads a contiguous buffer"
     row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
     target_grad = torch.empty_like(row_factor)
     block_r = 16  # more rows a program take more registers than 4 warps have (compile_sm90.py)

@@ -791,6 +791,12 @@ def _stored_chunks(step: _ForwardStep) -> None:
             gradients.add(start, end, hidden_c, grad_logits, step.weight)
 
 
+def unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [rows, C], copied where its columns are not adjacent (a transposed view): the logit
+    kernels read rows of unit column stride. Taken once a call, not once a chunk."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
 def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
@@ -813,6 +819,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     The chunks go through one of three loops: the factored training step (``_factored_chunks``),
     the forward without gradients (``_statistics_chunks``), and training from a stored buffer
     (``_stored_chunks``: without the factored gradient, or under vocabulary parallelism)."""
+    hidden, weight = unit_columns(hidden), unit_columns(weight)
     step = _ForwardStep(hidden, weight, targets, bias, opts, reduction, grads, shard, class_weight, all_rows,
                         return_metrics, logit_sum, sum_sq, match_training, grad_reduction or reduction)
     if step.factored and shard is None:
@@ -894,6 +901,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     of the forward. With class weights, ``lse_grad`` carries the z-loss's gradient
     (``recomputed_row_grads``), which the kernels then leave out. ``entropy_grad`` [N] is
     d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``."""
+    hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     backend = backend_for(hidden.device)

@@ -361,7 +361,7 @@ def fused_linear_cross_entropy(
         _check_class_weight(class_weight, total_vocab_size, hidden)
         class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
     leading_shape = targets.shape
-    hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: the kernels take them
+    hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: columns made adjacent once (_chunked.unit_columns)
     targets_1d = targets.reshape(-1).contiguous()  # the kernels index these two densely
     # The targets' range flag is queued first and read once the loss's work is queued behind
     # it: the host never waits for the loss itself, so the GPU does not idle at the check.
