@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _torch_backend
-from ._chunked import backend_for
+from ._chunked import backend_for, copy_to_host
 from ._distributed import check_ranks_agree, vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, loss_forward
@@ -195,14 +195,7 @@ def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
     marks it ready."""
     # (inside a torch.func transform a new tensor is wrapped, which a Triton kernel cannot take)
     backend = _torch_backend if _under_functorch() else backend_for(targets.device)
-    flag = backend.targets_out_of_range(targets, vocab_size, ignore_index)
-    if targets.device.type != "cuda":
-        return flag, None
-    host_flag = torch.empty((), dtype=torch.int32, pin_memory=True)
-    host_flag.copy_(flag, non_blocking=True)  # on the targets' device's current stream
-    ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(targets.device))
-    return host_flag, ready
+    return copy_to_host(backend.targets_out_of_range(targets, vocab_size, ignore_index))
 
 
 def _finish_target_check(check, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
