@@ -130,8 +130,7 @@ def test_sft_gradients_from_the_sweep(flce, monkeypatch, tune, dtype, normaliser
     """SFT's loss, -sum log_probs / n: the backward finds equal weights and takes the gradients
     the forward's sweep computed (those of the mean over the rows with a target: untouched when n
     is their count, one scaling each of grad_hidden and grad_weight otherwise); they match
-    float64 autograd, step after step, in one chunk or several (the last one's products made in
-    the backward)."""
+    float64 autograd, step after step, in one chunk or several."""
     tune(chunk_rows=chunk_rows)
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=6, ignore=0.2)
     n = {"rows": (targets != -100).sum(), "sum": 1, "other": 7}[normaliser]
@@ -151,43 +150,6 @@ def test_sft_gradients_from_the_sweep(flce, monkeypatch, tune, dtype, normaliser
         scalings.clear()
         for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
             assert_rel(g, e, tolerance(dtype, "grad"), f"step {step} {name}")
-
-
-def test_sft_last_products_queued_before_the_host_waits(flce, monkeypatch, tune):
-    """A forward that makes SFT's gradients in its sweep leaves the last chunk's two products to
-    the backward, which queues them after the search for equal weights and before the host waits
-    for its answer: the GPU works through them meanwhile. Where the weights then differ they are
-    dropped, and the gradients recomputed are exact."""
-    tune(chunk_rows=8)
-    chunked, ops = submodule(flce, "_chunked"), submodule(flce, "_ops")
-    hidden, weight, targets, _ = make_inputs(40, 16, 53, torch.float32, seed=9, ignore=0.2)
-    n_chunks = -(-int((targets != -100).sum()) // 8)
-    assert n_chunks >= 3
-    events = []
-    add_hidden_grad, start_ratio = chunked._Gradients.add_hidden_grad, ops._start_mean_grad_ratio
-
-    def spied_start(*args):
-        ratio, read = start_ratio(*args)
-        events.append("ratio queued")
-        return ratio, lambda: events.append("host reads") or read()
-
-    monkeypatch.setattr(chunked._Gradients, "add_hidden_grad",
-                        lambda self, *a, **k: events.append("products") or add_hidden_grad(self, *a, **k))
-    monkeypatch.setattr(ops, "_start_mean_grad_ratio", spied_start)
-    weights = {"equal": torch.full((40,), -0.25, dtype=torch.float64),
-               "unequal": torch.linspace(-1.0, 2.0, 40, dtype=torch.float64)}
-    for case, token_weight in weights.items():
-        ops._uniform_grads.pop("log_probs", None)  # the forward makes the gradients
-        events.clear()
-        out = flce.fused_linear_log_probs(hidden, weight, targets)
-        assert events == ["products"] * (n_chunks - 1), case
-        got = _grads(lambda out=out, w=token_weight: (out.log_probs.double() * w.to(DEVICE)).sum(), (hidden, weight))
-        assert events[n_chunks - 1:n_chunks + 2] == ["ratio queued", "products", "host reads"], (case, events)
-        h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
-        (reference(h64, w64, targets)["log_probs"] * token_weight.to(DEVICE)).sum().backward()
-        for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
-            assert_rel(g, e, tolerance(torch.float32, "grad"), f"{case} {name}")
-    ops._uniform_grads.pop("log_probs", None)
 
 
 @pytest.mark.parametrize("backend_name", ["_triton_backend", "_torch_backend"])

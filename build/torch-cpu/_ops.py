@@ -402,31 +402,21 @@ def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
     those of -mean_i log_probs_i over the n rows with a target (d out / d log_probs_i = -1 / n,
     rounded as PyTorch's), a trainer's usual loss; empty when not asked for. Rows whose target is
     ``ignore_index`` get 0 (False) everywhere."""
-    return _token_results(hidden, weight, targets, bias, *args)[0]
-
-
-def _token_results(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, *args,
-                   defer_products: bool = False):
-    """(``_token_forward``'s outputs, finish_grads): with ``defer_products`` the gradients made in
-    the sweep may be left unfinished, empty in the outputs, and ``finish_grads`` (else None)
-    launches their last products and returns them (``_chunked.forward``)."""
     opts = LossOptions.from_op_args(args)
     _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
     _chunked.backend_for(hidden.device).precompile("tokens:" + args[_NUM_OPTIONS], hidden.device)  # (as in _forward)
     with _no_autocast(hidden):
         res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
-                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean",
-                               defer_products=defer_products)
+                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean")
     def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
         return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
 
-    outputs = (
+    return (
         res.lse, res.loss.neg(), wanted(metrics, res.entropy),
         res.correct.bool() if metrics else res.lse.new_empty(0, dtype=torch.bool),
         wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
     )
-    return outputs, res.finish_grads
 
 
 token_forward_op = torch.library.custom_op(f"{NAMESPACE}::token_forward", _token_forward, mutates_args=(),
@@ -502,28 +492,20 @@ def _token_setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.speculated = any(grads)
     ctx.consumed = False
-    ctx.finish_grads = None  # (the eager forward's own, _EagerTokenForward)
     ctx.key = outputs
     saved_grads = rest[3:] if ctx.speculated else ()
     ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), lse,
                           entropy if metrics else None, *saved_grads)
 
 
-def _start_mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int):
-    """Queues the search for whether ``log_prob_grad`` [N] is one value c on every row with a
-    target, and -c / w with w = 1 / their count: (ratio [1] fp32 on the device, a function that
-    waits for the two and returns (uniform, ratio) on the host)."""
+def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, bool, float]:
+    """(ratio, uniform, host_ratio): whether ``log_prob_grad`` [N] is one value c on every row with
+    a target, and -c / w with w = 1 / their count, on the device (``ratio`` [1] fp32) and on the
+    host (one sync: the last launch queued is the one that finds them)."""
     found = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
                                                                  ignore_index)
-    host, ready = _chunked.copy_to_host(found)
-
-    def read() -> tuple[bool, float]:
-        if ready is not None:
-            ready.synchronize()
-        uniform, ratio = host.tolist()
-        return uniform == 1.0, ratio
-
-    return found[1:], read
+    uniform, ratio = found.tolist()
+    return found[1:], uniform == 1.0, ratio
 
 
 def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
@@ -540,21 +522,12 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
             raise RuntimeError("fused_linear_log_probs computed its gradients in the forward and they were already "
                                "used: backward through it twice (retain_graph=True) is not supported.")
         ctx.consumed = True
-        finish_grads, ctx.finish_grads = ctx.finish_grads, None
         if entropy_grad is None and log_prob_grad is not None:
             # The sweep's gradients are those of -mean log_probs, each row weighted w = 1 / n: times
             # -c / w they are exact if every row's weight is c, and untouched (no pass over them)
             # where c = -1 / n, as a trainer that divides by this call's rows gives: the host reads
             # whether the weights are equal and the ratio (one sync), and launches no pass then.
-            # The forward's last products are queued first: the GPU works through them while the
-            # host waits for the two values, and the launches that follow queue up behind them
-            # (wasted where the weights differ: a trainer's first step, then the forward no
-            # longer makes these gradients).
-            ratio, read_ratio = _start_mean_grad_ratio(log_prob_grad, targets, opts.ignore_index)
-            if finish_grads is not None:
-                saved_grads = [_or_empty(g, hidden) for g in finish_grads()]
-            finish_grads = None
-            uniform, host_ratio = read_ratio()
+            ratio, uniform, host_ratio = _mean_grad_ratio(log_prob_grad, targets, opts.ignore_index)
             grads = []
             for g, w in zip(saved_grads, want, strict=True):
                 if uniform and host_ratio != 1.0 and w and g.numel():
@@ -563,7 +536,6 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
             _uniform_grads[ctx.key] = uniform
             if uniform:
                 return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
-            saved_grads = grads = None  # (freed before the recomputation's own)
         else:
             _uniform_grads[ctx.key] = False
     valid = targets != opts.ignore_index
@@ -589,9 +561,8 @@ class _EagerTokenForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        output, finish_grads = _token_results(*args, defer_products=True)
+        output = _token_forward(*args)
         _token_setup_context(ctx, args, output)
-        ctx.finish_grads = finish_grads
         return output
 
     backward = staticmethod(_token_backward)

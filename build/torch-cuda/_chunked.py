@@ -33,7 +33,6 @@ k lse_i^2 summed over the non-ignored rows, a mean divides it by their count (``
 import functools
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -105,8 +104,6 @@ class ForwardResult:
     entropy: torch.Tensor | None = None  # [N] fp32, with metrics
     mean_logit: torch.Tensor | None = None  # [N] fp32, with ``logit_sum``
     log_sum_sq: torch.Tensor | None = None  # [N] fp32 log sum_j p_j^2, with ``sum_sq``
-    # With ``forward(defer_products=True)``: launches the last products, returns the gradients
-    finish_grads: Callable[[], tuple] | None = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -674,29 +671,18 @@ class _ForwardStep:
 
     def chunks(self):
         """The chunks' rows [start, end) of the computed order, each with its hidden rows, targets
-        (of this weight's columns), share of the buffer, d loss / d loss_i (None without
-        gradients) and a function saying whether it is the last chunk (which may read the count of
-        rows to compute: ask once the chunk's sweep is queued, as the GPU then never waits)."""
+        (of this weight's columns), share of the buffer and d loss / d loss_i (None without
+        gradients)."""
         row_order = self.row_order
-        spans = _spans(self.hidden.shape[0], self.chunk, row_order, self.first, self.row_block, self.sweep_tiles)
-        span = next(spans, None)
-        while span is not None:
-            start, end = span
+        for start, end in _spans(self.hidden.shape[0], self.chunk, row_order, self.first, self.row_block,
+                                 self.sweep_tiles):
             self.computed = end
-            following = []
-
-            def is_last(following=following):
-                if not following:
-                    following.append(next(spans, None))
-                return following[0] is None
-
             # (no local holds the chunk's hidden rows while the caller uses them: the caller drops
             # the gathered rows before grad_hidden's fp32 block is made, ``_factored_chunks``)
             yield (start, end,
                    self.hidden[start:end] if row_order is None else row_order.take(self.hidden, start, end),
                    self.slice_targets[start:end], self.buffer[: end - start] if self.training else None,
-                   self.loss_grad[start:end] if self.training else None, is_last)
-            span = following[0] if following else next(spans, None)
+                   self.loss_grad[start:end] if self.training else None)
 
     def results_of(self, start: int, end: int) -> RowResults:
         """The per-row results of rows [start, end)."""
@@ -748,13 +734,12 @@ class _ForwardStep:
         return stats, state, row_ref
 
 
-def _factored_chunks(step: _ForwardStep, defer_last: bool = False):
+def _factored_chunks(step: _ForwardStep) -> None:
     """Training with the factored gradient against the whole vocabulary: a chunk is its sweep
     (storing exponentials), one pass over its rows (statistics, results, the gradient's factors)
-    and the two products. With ``defer_last``, the last chunk's products are not launched but
-    returned (a function that launches them), else None."""
+    and the two products."""
     backend, gradients = step.backend, step.gradients
-    for start, end, hidden_c, targets_c, stored, loss_grad_c, is_last in step.chunks():
+    for start, end, hidden_c, targets_c, stored, loss_grad_c in step.chunks():
         sweep = backend.factored_sweep(hidden_c, step.weight, targets_c, step.opts, stored, loss_grad_c,
                                        return_metrics=step.return_metrics, reference=step.reference_of(start, end))
         scaled_hidden = (torch.empty_like(hidden_c, memory_format=torch.contiguous_format)
@@ -764,33 +749,15 @@ def _factored_chunks(step: _ForwardStep, defer_last: bool = False):
             sweep, hidden_c, targets_c, step.opts, stored, loss_grad_c, out, scaled_hidden,
             return_metrics=step.return_metrics, take_out=step.take_out_of(start, end))
         step.finish(stats, start, end, out)
-        # What the products need of the chunk's hidden rows is in scaled_hidden now: the
-        # gathered rows are gone before grad_hidden's fp32 block comes (chunk_rows counts
-        # H x 4 bytes a row beside the buffer).
+        # What the products need of the chunk's hidden rows is in scaled_hidden now, and
+        # grad_weight's product goes first: the gathered rows, then the scaled ones, are gone
+        # before grad_hidden's fp32 block comes (chunk_rows counts H x 4 bytes a row beside
+        # the buffer).
         hidden_c = None
-        products = _chunk_products(gradients, backend, step.weight, start, end, stored, scaled_hidden, row_factor,
-                                   (target_grad, targets_c))
-        scaled_hidden = None
-        if defer_last and is_last():
-            return products
-        products()
-    return None
-
-
-def _chunk_products(gradients: _Gradients, backend, weight, start, end, stored, scaled_hidden, row_factor,
-                    target_terms):
-    """A function launching a factored chunk's two products from its buffer ``stored``:
-    grad_weight's first, after which its rows ``scaled_hidden`` (diag(r) hidden) are dropped,
-    before grad_hidden's fp32 block comes."""
-
-    def products():
-        nonlocal scaled_hidden
         if scaled_hidden is not None:
             gradients.add_weight_grad(stored, scaled_hidden)
             scaled_hidden = None
-        gradients.add_hidden_grad(start, end, stored, weight, row_factor, backend, target_terms)
-
-    return products
+        gradients.add_hidden_grad(start, end, stored, step.weight, row_factor, backend, (target_grad, targets_c))
 
 
 def _statistics_chunks(step: _ForwardStep) -> None:
@@ -798,7 +765,7 @@ def _statistics_chunks(step: _ForwardStep) -> None:
     parallelism the chunks' statistics are merged across the ranks once, at the end (two
     all-reduces a call)."""
     chunk_stats = []
-    for start, end, hidden_c, targets_c, _, _, _ in step.chunks():
+    for start, end, hidden_c, targets_c, _, _ in step.chunks():
         stats, _, _ = step.row_stats(start, end, hidden_c, targets_c, None, None)
         if step.shard is None:
             step.finish(stats, start, end)
@@ -814,7 +781,7 @@ def _stored_chunks(step: _ForwardStep) -> None:
     across the ranks (its gradient needs the global lse before the next chunk takes the buffer),
     its results, then its gradient from the buffer."""
     backend, gradients, opts = step.backend, step.gradients, step.opts
-    for start, end, hidden_c, targets_c, stored, loss_grad_c, _ in step.chunks():
+    for start, end, hidden_c, targets_c, stored, loss_grad_c in step.chunks():
         stats, state, row_ref = step.row_stats(start, end, hidden_c, targets_c, stored, loss_grad_c)
         local_row_max = stats.row_max
         if step.shard is not None:
@@ -840,8 +807,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
             return_metrics: bool = False, logit_sum: bool = False, sum_sq: bool = False,
-            match_training: bool = False, grad_reduction: str | None = None,
-            defer_products: bool = False) -> ForwardResult:
+            match_training: bool = False, grad_reduction: str | None = None) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
     With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
@@ -856,37 +822,21 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     (default: ``reduction``) is the reduction whose gradients the sweep computes: the per-token
     outputs take those of the mean, as a trainer's loss usually is.
 
-    With ``defer_products``, where the step is factored, the last chunk's two products and the
-    gradients' last passes are left to ``finish_grads`` (the result's gradients are then None):
-    a caller that must read a device value before it knows whether it wants these gradients
-    (the per-token outputs' backward) launches them first, and the GPU works through them while
-    the host waits for that value, then goes on.
-
     The chunks go through one of three loops: the factored training step (``_factored_chunks``),
     the forward without gradients (``_statistics_chunks``), and training from a stored buffer
     (``_stored_chunks``: without the factored gradient, or under vocabulary parallelism)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     step = _ForwardStep(hidden, weight, targets, bias, opts, reduction, grads, shard, class_weight, all_rows,
                         return_metrics, logit_sum, sum_sq, match_training, grad_reduction or reduction)
-    products = None
     if step.factored and shard is None:
-        products = _factored_chunks(step, defer_last=defer_products)
+        _factored_chunks(step)
     elif step.training:
         _stored_chunks(step)
     else:
         _statistics_chunks(step)
-
-    def finish_grads():
-        if products is not None:
-            products()
-        return step.gradients.finish(hidden.dtype, bias, step.backend, step.slice_targets)
-
-    grads_out = (None, None, None) if products is not None else finish_grads()
-    result = _forward_result(step.results, grads_out, step.targets, opts, reduction, step.row_order, step.row_weight,
-                             return_metrics, step.f32)
-    if products is not None:
-        result.finish_grads = finish_grads
-    return result
+    grads_out = step.gradients.finish(hidden.dtype, bias, step.backend, step.slice_targets)
+    return _forward_result(step.results, grads_out, step.targets, opts, reduction, step.row_order, step.row_weight,
+                           return_metrics, step.f32)
 
 
 def _new_results(n_rows: int, return_metrics: bool, f32: dict, logit_sum: bool = False,
