@@ -69,7 +69,7 @@ def ignore_fraction(row: str) -> float:
         return 0.5
     return 0.0 if row.endswith("-no-ignored") else IGNORE_FRACTION
 METHODS = ["fused-linear-ce", "fused-linear-ce-metrics", "torch", "torch.compile", "quack", "quack-default",
-           "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo"]
+           "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo", "trl-glue"]
 # TRL's trainers' LM head (trl.trainer.utils.add_fused_lm_head) as SFTTrainer and GRPOTrainer call it,
 # with TRL's own kernel (trl-*) or fused-linear-ce's (flce-*, what flce.trl.use_in_trl() installs): the
 # rows with a label gathered, the per-token outputs scattered back, the trainer's loss from them.
@@ -79,7 +79,7 @@ GRPO_ENTROPY_COEF = 0.01
 # Methods that bench.py --base also times on an earlier build.
 BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
-OTHER_LOSS = ("flce-grpo", "trl-grpo")
+OTHER_LOSS = ("flce-grpo", "trl-grpo", "trl-glue")
 
 
 def load_flce():
@@ -194,11 +194,22 @@ def trl_head(apply, trainer: str):
     return loss
 
 
+def no_head(hidden, weight, bias, labels, temperature, chunk_size, softcap, logit_scale, outputs):
+    """A head kernel that does no work, with ``ChunkedLogProbFunction.apply``'s arguments and outputs:
+    log_probs 0 on every row, still a function of hidden and weight (one element of each), entropy 0,
+    is_top1 False. As ``trl-glue``, TRL's head timed around it: its gather, scatters, loss and
+    backward alone, what both kernels' steps (``trl-sft``, ``flce-sft``) pay beside their own work."""
+    log_probs = hidden[:, 0].float() * 0.0 + weight[0, 0].float() * 0.0
+    return log_probs, log_probs.detach(), None, None, torch.zeros_like(labels, dtype=torch.bool)
+
+
 def make_method(name, flce):
     if name in ("trl-sft", "trl-grpo"):
         from trl.kernels import ChunkedLogProbFunction
 
         return trl_head(ChunkedLogProbFunction.apply, name.split("-")[1])
+    if name == "trl-glue":
+        return trl_head(no_head, "sft")
     if name in ("flce-sft", "flce-grpo"):
         return trl_head(flce.trl.FusedLogProbs.apply, name.split("-")[1])
     if name == "fused-linear-ce-metrics":
@@ -431,7 +442,7 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
             "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
-ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft")
+ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft", "trl-glue")
 
 
 def anatomy(fn, hidden, weight, targets) -> dict:

@@ -664,7 +664,7 @@ def trl_section(runs) -> str:
              "`add_fused_lm_head` does; \"ours\" is `flce.trl.use_in_trl()`'s kernel in that head. Each pair of "
              "numbers is from one run.", "",
              "| head, ignored | loss | loss + metrics (cost) | SFT's outputs: ours / TRL | ratio | memory ratio "
-             "| GRPO's outputs: ours / TRL | ratio |", "|---|---|---|---|---|---|---|---|"]
+             "| TRL's head, no kernel | GRPO's outputs: ours / TRL | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     rows = [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]
     for row in rows:
         loss, metrics = pair(row, "fused-linear-ce", "fused-linear-ce-metrics")
@@ -677,7 +677,7 @@ def trl_section(runs) -> str:
         for trainer in ("sft", "grpo"):
             ours, theirs = pair(row, f"flce-{trainer}", f"trl-{trainer}")
             if ours is None:
-                cells += ["—", "—"] + (["—"] if trainer == "sft" else [])
+                cells += ["—", "—"] + (["—", "—"] if trainer == "sft" else [])
                 continue
             ratio = ours["step_ms"] / theirs["step_ms"]
             cells += [f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f}",
@@ -686,9 +686,13 @@ def trl_section(runs) -> str:
                 memory = ours["step_peak_mib"] / theirs["step_peak_mib"]
                 cells.append(f"{ours['step_peak_mib']:.0f} / {theirs['step_peak_mib']:.0f} = {memory:.2f}"
                              f"{'' if memory <= 0.5 else ' ✗'}")
+                glue, _ = pair(row, "trl-glue", "trl-sft")
+                cells.append("—" if glue is None else f"{glue['step_ms']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "✗: over the target (SFT's step at most 0.72× TRL's time and 0.5× its memory, GRPO's at most "
-              "0.8×, metrics at most 3% of the loss's step). GRPO's per-token gradients are known only in the "
+              "0.8×, metrics at most 3% of the loss's step). TRL's head, no kernel: the step of TRL's head around a "
+              "kernel that does no work (`trl-glue`), its gather, scatters, loss and backward, which both SFT steps "
+              "include. GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
     step = trl_step_sentence()

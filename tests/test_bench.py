@@ -38,3 +38,18 @@ def test_later_laps_alternate_the_order_and_take_the_medians(bench, monkeypatch)
     assert entries["a"]["fwd_ms"] == 3.0 and entries["b"]["fwd_ms"] == 1.0 and entries["b"]["step_ms"] == 20.0
     assert entries["b"]["step_tflops_6nvh"] == pytest.approx(3e12 / 20.0 / 1e9)
     assert "step_ms_laps" not in entries["c"]
+
+
+def test_the_glue_alone_keeps_the_heads_contract(bench):
+    """``trl-glue``: TRL's head around a kernel that does no work still gathers, scatters and runs
+    its backward to hidden and weight: its loss is 0, and the gradients are zero, of their shapes,
+    on the rows with a label and the others alike (the CPU, without TRL)."""
+    import torch
+
+    hidden = torch.randn(6, 4, requires_grad=True)
+    weight = torch.randn(5, 4, requires_grad=True)
+    targets = torch.tensor([1, -100, 4, 0, -100, 2])
+    loss = bench.trl_head(bench.no_head, "sft")(hidden, weight, targets)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(hidden.grad, torch.zeros(6, 4)) and torch.equal(weight.grad, torch.zeros(5, 4))
