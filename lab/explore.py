@@ -28,7 +28,12 @@ from bench import (  # noqa: E402
     rel_err,
 )
 
-LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap)
+LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap, --metrics)
+
+
+def loss_of(out):
+    """The loss of a call's result ((loss, metrics) with ``return_metrics``)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=False):
@@ -37,7 +42,7 @@ def step_and_fwd(flce, hidden, weight, targets, rep_ms, warmup_ms=100, fwd_only=
 
     def step():
         h.grad = w.grad = None
-        flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS).backward()
+        loss_of(flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS)).backward()
 
     def fwd():
         with torch.no_grad():
@@ -147,12 +152,15 @@ def main():
                         "(BLOCK_N,BLOCK_K,warps,stages,persistent)")
     parser.add_argument("--gemm-rows", default="", help="','-separated chunk sizes for time_gemms")
     parser.add_argument("--softcap", type=float, default=None, help="a logit softcap (Gemma-2's is 30)")
+    parser.add_argument("--metrics", action="store_true", help="the loss with its metrics (return_metrics=True)")
     parser.add_argument("--inputs", default="lm", choices=["lm", "uniform"],
                         help="bench.py's kinds of inputs: LM-like (peaked, Zipf-skewed) or uniform")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.softcap is not None:
         LOSS_OPTIONS["softcap"] = args.softcap
+    if args.metrics:
+        LOSS_OPTIONS["return_metrics"] = True
     flce, _ = load_flce()
     settings = sys.modules[flce.__name__ + "._settings"]
     # (variant, its settings) in order, repeats kept; a misspelt setting fails here, before any timing
@@ -178,7 +186,7 @@ def main():
                     rec = {"row": row, "variant": variant, **LOSS_OPTIONS, "fwd_ms": fwd_ms,
                            "fwd_tflops": flops / fwd_ms / 1e9}
                     with torch.no_grad():
-                        fwd_loss = flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS)
+                        fwd_loss = loss_of(flce.fused_linear_cross_entropy(hidden, weight, targets, **LOSS_OPTIONS))
                     rec["fwd_loss_err"] = abs(fwd_loss.item() - ref[0].item()) / abs(ref[0].item())
                     if args.breakdown and step_ms is None:  # the forward's kernels (--fwd-only)
 
@@ -209,7 +217,7 @@ def measure_step(flce, step, tensors, targets, ref, step_ms, flops, args, row, t
     profiles that ``args`` ask for (the chrome trace where ``trace``)."""
     h, w = tensors
     h.grad = w.grad = None
-    loss = flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS)
+    loss = loss_of(flce.fused_linear_cross_entropy(h, w, targets, **LOSS_OPTIONS))
     loss.backward()
     rec = {"step_ms": step_ms, "loop_ms": back_to_back_ms(step), "step_extra_mib": step_extra_mib(step, (h, w)),
            "step_tflops_6nvh": 3 * flops / step_ms / 1e9,
