@@ -4,7 +4,12 @@ side, and where the time of a training step goes (torch.profiler, per kernel).
     python lab/explore.py --rows llama3,gemma2 --variants "BLOCK_V=256,TMA=1;BLOCK_V=128,TMA=1"
 
 A variant is a set of the kernel's settings (``_settings.Settings``' fields, any case:
-``block_v=128,gluon=0``), each taken through ``_settings.override`` for the variant's timings.
+``block_v=128,gluon=0``), each taken through ``_settings.override`` for the variant's timings;
+the item ``metrics`` in a variant times the loss with its metrics (``return_metrics=True``), so
+
+    python lab/explore.py --rows gemma2 --variants ";gluon=0;metrics;metrics,tuned=0;;gluon=0;metrics;metrics,tuned=0"
+
+splits the metrics' cost between the kernel they take and their own arithmetic, in two laps.
 """
 
 import argparse
@@ -28,7 +33,14 @@ from bench import (  # noqa: E402
     rel_err,
 )
 
-LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap, --metrics)
+LOSS_OPTIONS: dict = {}  # keyword arguments of every loss call (--softcap, --metrics, a variant's metrics)
+
+
+def split_variant(settings, variant: str) -> tuple[dict, bool]:
+    """A variant's settings and whether it asks for the metrics (its item ``metrics``)."""
+    items = [item for item in variant.split(",") if item.strip()]
+    metrics = any(item.strip().lower() == "metrics" for item in items)
+    return settings.parse(",".join(i for i in items if i.strip().lower() != "metrics")), metrics
 
 
 def loss_of(out):
@@ -159,12 +171,10 @@ def main():
     args = parser.parse_args()
     if args.softcap is not None:
         LOSS_OPTIONS["softcap"] = args.softcap
-    if args.metrics:
-        LOSS_OPTIONS["return_metrics"] = True
     flce, _ = load_flce()
     settings = sys.modules[flce.__name__ + "._settings"]
     # (variant, its settings) in order, repeats kept; a misspelt setting fails here, before any timing
-    variants = [(variant, settings.parse(variant)) for variant in args.variants.split(";")]
+    variants = [(variant, *split_variant(settings, variant)) for variant in args.variants.split(";")]
     records, env_info = [], environment()
     if args.gemm_rows:
         for row in args.rows.split(","):
@@ -178,7 +188,8 @@ def main():
                                               ignored_share=ignore_fraction(row))
         ref = reference(hidden, weight, targets, softcap=args.softcap)
         flops = 2 * n_tokens * vocab_size * hidden_size
-        for variant, changes in variants:
+        for variant, changes, metrics in variants:
+            LOSS_OPTIONS["return_metrics"] = args.metrics or metrics
             try:
                 with settings.override(**changes):
                     fwd_ms, step_ms, step, (h, w) = step_and_fwd(flce, hidden, weight, targets, args.rep_ms,

@@ -181,6 +181,7 @@ def main():
     parser.add_argument("--no-timing", action="store_true", help="skip part 2")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (3; 1 with --cpu-smoke)")
     parser.add_argument("--steps", type=int, default=None, help="steps timed (10; 2 with --cpu-smoke)")
+    parser.add_argument("--laps", type=int, default=1, help="part 2's runs of each head, in alternating order")
     args = parser.parse_args()
     cpu = args.cpu_smoke
     if cpu:
@@ -213,9 +214,21 @@ def main():
             steps = args.steps if args.steps is not None else (2 if cpu else 10)
             timing = {"model": shapes, "batch": batch, "seq_len": seq_len, "ignored_label_fraction": 0.25,
                       "dtype": "bfloat16", "optimizer": "sgd", "warmup_steps": warmup, "timed_steps": steps}
-            for head in ("trl", "flce"):
-                timing[head] = time_sft_step(flce, head == "flce", shapes, batch, seq_len, warmup, steps, workdir,
-                                             cpu)
+            # laps in alternating order (trl, flce, flce, trl, ...): a drift of the clock under the power
+            # cap weighs on both heads alike; each head's ms is the median of all its laps' steps
+            laps = {"trl": [], "flce": []}
+            for lap in range(args.laps):
+                for head in ("trl", "flce") if lap % 2 == 0 else ("flce", "trl"):
+                    laps[head].append(time_sft_step(flce, head == "flce", shapes, batch, seq_len, warmup, steps,
+                                                    workdir, cpu))
+            for head, results in laps.items():
+                ms_each = [t for result in results for t in result["ms_each"]]
+                timing[head] = {**results[0], "ms": round(statistics.median(ms_each), 3), "ms_each": ms_each,
+                                "peak_mib": None if cpu else max(result["peak_mib"] for result in results),
+                                "lap_ms": [result["ms"] for result in results]}
+            timing["laps"] = args.laps
+            timing["lap_ratios_ms"] = [round(f["ms"] / t["ms"], 4)
+                                       for t, f in zip(laps["trl"], laps["flce"], strict=True)]
             timing["ratio_ms"] = round(timing["flce"]["ms"] / timing["trl"]["ms"], 4)
             if not cpu:
                 timing["ratio_mib"] = round(timing["flce"]["peak_mib"] / timing["trl"]["peak_mib"], 4)
