@@ -69,17 +69,20 @@ def ignore_fraction(row: str) -> float:
         return 0.5
     return 0.0 if row.endswith("-no-ignored") else IGNORE_FRACTION
 METHODS = ["fused-linear-ce", "fused-linear-ce-metrics", "torch", "torch.compile", "quack", "quack-default",
-           "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo", "trl-glue"]
+           "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo",
+           "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue"]
 # TRL's trainers' LM head (trl.trainer.utils.add_fused_lm_head) as SFTTrainer and GRPOTrainer call it,
 # with TRL's own kernel (trl-*) or fused-linear-ce's (flce-*, what flce.trl.use_in_trl() installs): the
 # rows with a label gathered, the per-token outputs scattered back, the trainer's loss from them.
-TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
+# grpo-coef0: GRPO at its default entropy_coef = 0, the entropy logged without a gradient
+TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy"),
+               "grpo-coef0": ("log_probs", "entropy")}
 GRPO_TEMPERATURE = 0.7
 GRPO_ENTROPY_COEF = 0.01
 # Methods that bench.py --base also times on an earlier build.
 BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
-OTHER_LOSS = ("flce-grpo", "trl-grpo", "trl-glue")
+OTHER_LOSS = ("flce-grpo", "trl-grpo", "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue")
 
 
 def load_flce():
@@ -172,10 +175,11 @@ def _advantages(n_tokens: int, device, seq_len: int = 512) -> torch.Tensor:
 
 def trl_head(apply, trainer: str):
     """A TRL trainer's loss through its fused LM head, with ``apply`` as the head's kernel: SFT's NLL
-    (and its entropy and accuracy metrics), or GRPO's advantage-weighted log-probs with an entropy
-    bonus at temperature 0.7."""
+    (and its entropy and accuracy metrics), or GRPO's advantage-weighted log-probs at temperature 0.7
+    with an entropy bonus (``grpo``) or with the entropy logged only (``grpo-coef0``)."""
     outputs = TRL_OUTPUTS[trainer]
-    temperature = GRPO_TEMPERATURE if trainer == "grpo" else 1.0
+    temperature = 1.0 if trainer == "sft" else GRPO_TEMPERATURE
+    entropy_coef = GRPO_ENTROPY_COEF if trainer == "grpo" else 0.0
     advantages = {}
 
     def loss(h, w, t):
@@ -189,7 +193,11 @@ def trl_head(apply, trainer: str):
             return -log_probs.sum() / n
         if t.shape[0] not in advantages:
             advantages[t.shape[0]] = _advantages(t.shape[0], t.device)
-        return -(log_probs * advantages[t.shape[0]]).sum() / n - GRPO_ENTROPY_COEF * entropy.sum() / n
+        policy_loss = -(log_probs * advantages[t.shape[0]]).sum() / n
+        if entropy_coef == 0:
+            _ = entropy.detach().sum()  # GRPOTrainer's logged entropy
+            return policy_loss
+        return policy_loss - entropy_coef * entropy.sum() / n
 
     return loss
 
@@ -204,14 +212,14 @@ def no_head(hidden, weight, bias, labels, temperature, chunk_size, softcap, logi
 
 
 def make_method(name, flce):
-    if name in ("trl-sft", "trl-grpo"):
+    if name in ("trl-sft", "trl-grpo", "trl-grpo-coef0"):
         from trl.kernels import ChunkedLogProbFunction
 
-        return trl_head(ChunkedLogProbFunction.apply, name.split("-")[1])
+        return trl_head(ChunkedLogProbFunction.apply, name.split("-", 1)[1])
     if name == "trl-glue":
         return trl_head(no_head, "sft")
-    if name in ("flce-sft", "flce-grpo"):
-        return trl_head(flce.trl.FusedLogProbs.apply, name.split("-")[1])
+    if name in ("flce-sft", "flce-grpo", "flce-grpo-coef0"):
+        return trl_head(flce.trl.FusedLogProbs.apply, name.split("-", 1)[1])
     if name == "fused-linear-ce-metrics":
         return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t, return_metrics=True)[0]
     if name in ("quack", "quack-default"):

@@ -614,7 +614,7 @@ TRL_MARK = "<!-- TRL-TABLE -->"
 # bench.py's methods for TRL's fused LM head (trl-*: TRL 1.16's own kernel; flce-*: this kernel's, as
 # flce.trl.use_in_trl() installs it) and this kernel's loss with its metrics, in trl-h200-*.json runs.
 TRL_HEADS = ["gemma2", "llama3", "qwen25"]
-TRL_TARGETS = {"sft": 0.72, "grpo": 0.8, "metrics": 0.03}
+TRL_TARGETS = {"sft": 0.72, "grpo": 0.8, "metrics": 0.03, "entropy_grad": 0.08}
 
 
 def trl_runs():
@@ -644,7 +644,8 @@ def trl_section(runs) -> str:
     """One row a head and share of ignored rows: the loss alone and with its metrics (their cost,
     target <= 3%), SFT's outputs and GRPO's (log-probs and entropy with gradients, temperature 0.7)
     through TRL's head with this kernel against TRL's own (step time ratio, targets 0.72 and 0.8),
-    and SFT's peak memory (target <= 0.5). Each pair of numbers comes from one run: the newest that
+    SFT's peak memory (target <= 0.5) and what the entropy's gradient adds to GRPO's step with each
+    kernel (target <= 8%). Each pair of numbers comes from one run: the newest that
     measured both on that row."""
     if not runs:
         return "No TRL run recorded."
@@ -664,7 +665,8 @@ def trl_section(runs) -> str:
              "`add_fused_lm_head` does; \"ours\" is `flce.trl.use_in_trl()`'s kernel in that head. Each pair of "
              "numbers is from one run.", "",
              "| head, ignored | loss | loss + metrics (cost) | SFT's outputs: ours / TRL | ratio | memory ratio "
-             "| TRL's head, no kernel | GRPO's outputs: ours / TRL | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TRL's head, no kernel | GRPO's outputs: ours / TRL | ratio | entropy's gradient: ours / TRL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     rows = [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]
     for row in rows:
         loss, metrics = pair(row, "fused-linear-ce", "fused-linear-ce-metrics")
@@ -688,11 +690,22 @@ def trl_section(runs) -> str:
                              f"{'' if memory <= 0.5 else ' ✗'}")
                 glue, _ = pair(row, "trl-glue", "trl-sft")
                 cells.append("—" if glue is None else f"{glue['step_ms']:.1f}")
+        costs = []
+        for kernel in ("flce", "trl"):
+            bonus, logged = pair(row, f"{kernel}-grpo", f"{kernel}-grpo-coef0")
+            costs.append(None if bonus is None else bonus["step_ms"] / logged["step_ms"] - 1)
+        if None in costs:
+            cells.append("—")
+        else:
+            mark = "" if costs[0] <= TRL_TARGETS["entropy_grad"] else " ✗"
+            cells.append(f"{costs[0]:+.1%}{mark} / {costs[1]:+.1%}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "✗: over the target (SFT's step at most 0.72× TRL's time and 0.5× its memory, GRPO's at most "
               "0.8×, metrics at most 3% of the loss's step). TRL's head, no kernel: the step of TRL's head around a "
               "kernel that does no work (`trl-glue`), its gather, scatters, loss and backward, which both SFT steps "
-              "include. GRPO's per-token gradients are known only in the "
+              "include. Entropy's gradient: GRPO's step with an entropy bonus (coefficient 0.01) against the same "
+              "step at GRPO's default coefficient 0 (the entropy logged, `*-grpo-coef0`; target at most 8%). "
+              "GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
     step = trl_step_sentence()

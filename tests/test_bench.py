@@ -53,3 +53,28 @@ def test_the_glue_alone_keeps_the_heads_contract(bench):
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(hidden.grad, torch.zeros(6, 4)) and torch.equal(weight.grad, torch.zeros(5, 4))
+
+
+def test_grpo_heads_with_and_without_the_entropy_bonus(bench):
+    """``*-grpo`` and ``*-grpo-coef0``: GRPO's advantage-weighted log-probs at temperature 0.7 over
+    the rows with a label, minus the entropy bonus (coefficient 0.01) in the first only, checked in
+    float64 against log_softmax with a plain PyTorch kernel in the head (the CPU, without TRL)."""
+    import torch
+
+    def plain_head(hidden, weight, bias, labels, temperature, chunk_size, softcap, logit_scale, outputs):
+        log_p = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        return log_p.gather(1, labels[:, None])[:, 0], entropy, None, None, None
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    targets = torch.tensor([1, -100, 4, 0, -100, 2])
+    mask = targets != -100
+    log_p = torch.log_softmax(hidden[mask] @ weight.T / bench.GRPO_TEMPERATURE, dim=-1)
+    advantages = bench._advantages(6, hidden.device)[mask].double()
+    policy = -(log_p.gather(1, targets[mask][:, None])[:, 0] * advantages).sum() / 4
+    entropy = -(log_p.exp() * log_p).sum()
+    assert bench.trl_head(plain_head, "grpo-coef0")(hidden, weight, targets).item() == pytest.approx(policy.item())
+    assert bench.trl_head(plain_head, "grpo")(hidden, weight, targets).item() == pytest.approx(
+        (policy - bench.GRPO_ENTROPY_COEF * entropy / 4).item())
