@@ -166,17 +166,22 @@ def _peer(fn, **options):
     return call
 
 
-def _advantages(n_tokens: int, device, seq_len: int = 512) -> torch.Tensor:
-    """GRPO's per-token weights [N]: each sequence of ``seq_len`` tokens its advantage (fixed, N(0, 1))."""
+def _advantages(n_tokens: int, device, seq_len: int = 512, zero_share: float = 0.0) -> torch.Tensor:
+    """GRPO's per-token weights [N]: each sequence of ``seq_len`` tokens its advantage (fixed, N(0, 1)),
+    0 for a ``zero_share`` of the sequences (chosen at random: those of groups whose rewards were all
+    equal)."""
     g = torch.Generator(device=device).manual_seed(1)
-    per_seq = torch.randn(-(-n_tokens // seq_len), generator=g, device=device)
+    n_seq = -(-n_tokens // seq_len)
+    per_seq = torch.randn(n_seq, generator=g, device=device)
+    per_seq[torch.randperm(n_seq, generator=g, device=device)[:round(zero_share * n_seq)]] = 0.0
     return per_seq.repeat_interleave(seq_len)[:n_tokens]
 
 
-def trl_head(apply, trainer: str):
+def trl_head(apply, trainer: str, zero_advantages: float = 0.0):
     """A TRL trainer's loss through its fused LM head, with ``apply`` as the head's kernel: SFT's NLL
     (and its entropy and accuracy metrics), or GRPO's advantage-weighted log-probs at temperature 0.7
-    with an entropy bonus (``grpo``) or with the entropy logged only (``grpo-coef0``)."""
+    with an entropy bonus (``grpo``) or with the entropy logged only (``grpo-coef0``); a
+    ``zero_advantages`` share of GRPO's sequences has advantage 0."""
     outputs = TRL_OUTPUTS[trainer]
     temperature = 1.0 if trainer == "sft" else GRPO_TEMPERATURE
     entropy_coef = GRPO_ENTROPY_COEF if trainer == "grpo" else 0.0
@@ -192,7 +197,7 @@ def trl_head(apply, trainer: str):
             _ = entropy.detach().sum(), is_top1.sum()  # SFTTrainer's logged sums
             return -log_probs.sum() / n
         if t.shape[0] not in advantages:
-            advantages[t.shape[0]] = _advantages(t.shape[0], t.device)
+            advantages[t.shape[0]] = _advantages(t.shape[0], t.device, zero_share=zero_advantages)
         policy_loss = -(log_probs * advantages[t.shape[0]]).sum() / n
         if entropy_coef == 0:
             _ = entropy.detach().sum()  # GRPOTrainer's logged entropy
@@ -211,15 +216,15 @@ def no_head(hidden, weight, bias, labels, temperature, chunk_size, softcap, logi
     return log_probs, log_probs.detach(), None, None, torch.zeros_like(labels, dtype=torch.bool)
 
 
-def make_method(name, flce):
+def make_method(name, flce, zero_advantages: float = 0.0):
     if name in ("trl-sft", "trl-grpo", "trl-grpo-coef0"):
         from trl.kernels import ChunkedLogProbFunction
 
-        return trl_head(ChunkedLogProbFunction.apply, name.split("-", 1)[1])
+        return trl_head(ChunkedLogProbFunction.apply, name.split("-", 1)[1], zero_advantages)
     if name == "trl-glue":
         return trl_head(no_head, "sft")
     if name in ("flce-sft", "flce-grpo", "flce-grpo-coef0"):
-        return trl_head(flce.trl.FusedLogProbs.apply, name.split("-", 1)[1])
+        return trl_head(flce.trl.FusedLogProbs.apply, name.split("-", 1)[1], zero_advantages)
     if name == "fused-linear-ce-metrics":
         return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t, return_metrics=True)[0]
     if name in ("quack", "quack-default"):
@@ -516,6 +521,9 @@ def main():
     parser.add_argument("--laps", type=int, default=1,
                         help="times each method is timed on a row, the methods' order reversed every other "
                              "lap; fwd_ms and step_ms are the laps' medians (each lap's in *_ms_laps)")
+    parser.add_argument("--zero-advantages", type=float, default=0.0,
+                        help="share of the GRPO methods' sequences whose advantage is 0 (groups whose rewards were "
+                             "all equal)")
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     parser.add_argument("--base", default=None,
                         help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
@@ -535,7 +543,8 @@ def main():
         result["base"] = {"root": args.base, "revision": _revision(args.base)}
     for name in names:
         try:
-            built = make_method(name[:-len("@base")], base) if name.endswith("@base") else make_method(name, flce)
+            built = (make_method(name[:-len("@base")], base, args.zero_advantages) if name.endswith("@base")
+                     else make_method(name, flce, args.zero_advantages))
             methods.append((name, built))
         except ImportError as e:
             print(f"# skipping {name}: {e}", flush=True)
@@ -575,6 +584,8 @@ def main():
                     out["step_tflops_6nvh"] = 3 * flops / out["step_ms"] / 1e9
                 out["wall_s"] = time.time() - t0
                 entry = {**info, "method": name, **out}
+                if "grpo" in name:
+                    entry["zero_advantage_share"] = args.zero_advantages
                 entries[name] = entry
                 result["results"].append(entry)
                 print(json.dumps(entry), flush=True)

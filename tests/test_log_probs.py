@@ -124,6 +124,34 @@ def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path):
+    """GRPO's tokens of a group whose rewards are all equal (advantage 0, no entropy bonus) and
+    ignored rows have grad logits exactly 0: the recomputing backward computes only the other rows
+    (in chunks of 8 here, the first chunk sized before their count is known), and the gradients
+    still match float64 autograd, grad_hidden exactly 0 on the rows left out."""
+    tune(chunk_rows=8)
+    hidden, weight, targets, _ = make_inputs(48, 32, 97, dtype, seed=8, ignore=0.2)
+    advantage = torch.randn(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    advantage[[1, 2, 4]] = 0.0  # 3 of 6 sequences of 8 tokens in groups whose rewards were all equal
+    token_weight = advantage.repeat_interleave(8).to(DEVICE)
+    with_gradient = (token_weight != 0) & (targets != -100)
+    backend = submodule(flce, "_triton_backend" if path == "kernels" else "_torch_backend")
+    computed = []
+    grad_logits = backend.grad_logits
+    monkeypatch.setattr(backend, "grad_logits", lambda hidden_c, *a, **k: computed.append(hidden_c.shape[0])
+                        or grad_logits(hidden_c, *a, **k))
+    got = _grads(lambda: (flce.fused_linear_log_probs(hidden, weight, targets, temperature=0.7,
+                                                      outputs=("log_probs", "entropy")).log_probs.double()
+                          * token_weight).sum(), (hidden, weight))
+    assert sum(computed) == max(8, int(with_gradient.sum())) and computed[0] == 8, computed
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (reference(h64, w64, targets, temperature=0.7)["log_probs"] * token_weight).sum().backward()
+    assert torch.equal(got[0][~with_gradient], torch.zeros_like(got[0][~with_gradient]))
+    for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
+        assert_rel(g, e, tolerance(dtype, "grad"), name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("normaliser", ["rows", "sum", "other"])
 @pytest.mark.parametrize("chunk_rows", [None, 8], ids=["one-chunk", "chunks-of-8"])
 def test_sft_gradients_from_the_sweep(flce, monkeypatch, tune, dtype, normaliser, chunk_rows):

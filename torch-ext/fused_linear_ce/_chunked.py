@@ -110,11 +110,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _chunks(n_rows: int, rows: int):
-    for start in range(0, n_rows, rows):
-        yield start, min(n_rows, start + rows)
-
-
 # torch.mm(..., out_dtype=) on CUDA: PyTorch >= 2.8 (the aten::mm.dtype overload).
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
@@ -196,6 +191,20 @@ def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str
     if targets.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     return _RowOrder(backend, targets, opts.ignore_index, reduction == "mean")
+
+
+def _rows_with_gradient(backend, row_grads: list[torch.Tensor | None]) -> _RowOrder | None:
+    """For a recomputing backward: a ``_RowOrder`` of the rows where any of ``row_grads`` (per-row
+    upstream gradients [N], or None) is not 0, or None where ``_row_order`` gives none. A row whose
+    upstream gradients are all 0 has grad logits exactly 0 (ignored targets; in RL, tokens of a
+    group whose rewards are all equal, hence advantages 0), so it is left out of the 8 N V H
+    flops and gets a zero grad_hidden."""
+    row_grads = [g for g in row_grads if g is not None]
+    has_gradient = row_grads[0] != 0
+    for g in row_grads[1:]:
+        has_gradient |= g != 0
+    # the order kernel puts the rows whose "target" is not ignore_index (here 0) first
+    return _row_order(backend, has_gradient.long(), LossOptions(ignore_index=0), "sum", False)
 
 
 def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool,
@@ -918,19 +927,26 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     loss_grad, lse_grad, smooth_grad = kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts, vocab_size)
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.shape[1], hidden.dtype, True, shard, weight_grad=grads[1])
-    gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), None, shard)
+    # Under vocabulary parallelism every row is computed: the ranks' chunks must match.
+    row_order = None if shard is not None or n_rows == 0 else _rows_with_gradient(
+        backend, [loss_grad, lse_grad, smooth_grad, entropy_grad])
+    gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), row_order, shard)
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, hidden.device)
-        for start, end in _chunks(n_rows, chunk):
-            hidden_c = hidden[start:end]
+        for start, end in _spans(n_rows, chunk, row_order, _first_chunk_rows(n_rows, chunk, row_order, True)):
+
+            def rows(t, start=start, end=end):  # the chunk's rows of a per-row tensor (or None)
+                if t is None:
+                    return None
+                return t[start:end] if row_order is None else row_order.take(t, start, end)
+
+            hidden_c = rows(hidden)
             grad_logits = backend.grad_logits(
-                hidden_c, weight, bias, targets[start:end], lse[start:end],
-                loss_grad[start:end], None if lse_grad is None else lse_grad[start:end], opts,
-                buffer[: end - start], gradients.bias_acc,
-                local_class_weight, None if smooth_grad is None else smooth_grad[start:end],
-                None if entropy_grad is None else entropy_grad[start:end],
+                hidden_c, weight, bias, rows(targets), rows(lse), rows(loss_grad), rows(lse_grad), opts,
+                buffer[: end - start], gradients.bias_acc, local_class_weight, rows(smooth_grad),
+                rows(entropy_grad),
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
-    return gradients.finish(hidden.dtype, bias)
+    return gradients.finish(hidden.dtype, bias, backend)
