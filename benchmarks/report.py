@@ -631,13 +631,34 @@ def trl_step_sentence() -> str:
         return ""
     name, data = max(runs, key=lambda item: item[1]["date"])
     step = data["sft_step"]
-    model = step["model"]
+    model, laps = step["model"], step.get("laps", 1)
     return (f"A user's step: one SFTTrainer step on a {model['num_hidden_layers']}-layer Llama-3-shaped model "
             f"(V = {model['vocab_size']}, H = {model['hidden_size']}, bf16, {step['batch']} × {step['seq_len']} "
-            f"tokens, {step['ignored_label_fraction']:.0%} of the labels -100; `{name}`) takes "
+            f"tokens, {step['ignored_label_fraction']:.0%} of the labels -100; the median of "
+            f"{laps * step['timed_steps']} steps{' in alternating laps' if laps > 1 else ''}; `{name}`) takes "
             f"{step['flce']['ms']:.1f} ms and {step['flce']['peak_mib']:.0f} MiB with this kernel under "
             f"`use_in_trl()`, against {step['trl']['ms']:.1f} ms and {step['trl']['peak_mib']:.0f} MiB with TRL's "
             f"own head: {step['ratio_ms']:.3f}× the time (target ≤ 0.9), {step['ratio_mib']:.2f}× the memory.")
+
+
+def grpo_zero_sentence() -> str:
+    """GRPO at entropy_coef 0 with a share of its sequences at advantage 0, with both kernels, from
+    the newest ``grpo-zero-advantages-*.json``; empty where none is recorded."""
+    runs = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("grpo-zero-advantages-*.json"))]
+    if not runs:
+        return ""
+    name, data = max(runs, key=lambda item: item[1]["environment"]["date"])
+    results = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
+    cells = []
+    for row in dict.fromkeys(r for r, _ in results):
+        ours, theirs = results.get((row, "flce-grpo-coef0")), results.get((row, "trl-grpo-coef0"))
+        if ours and theirs:
+            cells.append(f"{row} {ours['step_ms']:.1f} against {theirs['step_ms']:.1f} ms "
+                         f"({ours['step_ms'] / theirs['step_ms']:.3f}×)")
+    share = next(r["zero_advantage_share"] for r in data["results"] if "zero_advantage_share" in r)
+    return (f"GRPO's tokens whose upstream gradient is 0 (advantage 0, in groups whose rewards were all equal, "
+            f"at GRPO's default entropy_coef 0) are left out of the recomputing backward: with {share:.0%} of the "
+            f"sequences at advantage 0, GRPO's step takes {'; '.join(cells)} with TRL's kernel (`{name}`).")
 
 
 def trl_section(runs) -> str:
@@ -708,8 +729,8 @@ def trl_section(runs) -> str:
               "GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
-    step = trl_step_sentence()
-    return "\n".join(lines + (["", step] if step else []))
+    extra = [sentence for sentence in (grpo_zero_sentence(), trl_step_sentence()) if sentence]
+    return "\n".join(lines + [line for sentence in extra for line in ("", sentence)])
 
 
 def cpu_runs():
