@@ -124,11 +124,13 @@ def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path):
+@pytest.mark.parametrize("function", ["log_probs", "loss_per_row"])
+def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path, function):
     """GRPO's tokens of a group whose rewards are all equal (advantage 0, no entropy bonus) and
-    ignored rows have grad logits exactly 0: the recomputing backward computes only the other rows
-    (in chunks of 8 here, the first chunk sized before their count is known), and the gradients
-    still match float64 autograd, grad_hidden exactly 0 on the rows left out."""
+    ignored rows have grad logits exactly 0: the recomputing backward (of the log-probs, or of the
+    loss with ``reduction="none"``) computes only the other rows (in chunks of 8 here, the first
+    chunk sized before their count is known), and the gradients still match float64 autograd,
+    grad_hidden exactly 0 on the rows left out."""
     tune(chunk_rows=8)
     hidden, weight, targets, _ = make_inputs(48, 32, 97, dtype, seed=8, ignore=0.2)
     advantage = torch.randn(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
@@ -140,9 +142,13 @@ def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path
     grad_logits = backend.grad_logits
     monkeypatch.setattr(backend, "grad_logits", lambda hidden_c, *a, **k: computed.append(hidden_c.shape[0])
                         or grad_logits(hidden_c, *a, **k))
-    got = _grads(lambda: (flce.fused_linear_log_probs(hidden, weight, targets, temperature=0.7,
-                                                      outputs=("log_probs", "entropy")).log_probs.double()
-                          * token_weight).sum(), (hidden, weight))
+    def per_row():  # log_probs, or the loss -log_probs per row
+        if function == "log_probs":
+            return flce.fused_linear_log_probs(hidden, weight, targets, temperature=0.7,
+                                               outputs=("log_probs", "entropy")).log_probs
+        return -flce.fused_linear_cross_entropy(hidden, weight, targets, reduction="none", logit_scale=1 / 0.7)
+
+    got = _grads(lambda: (per_row().double() * token_weight).sum(), (hidden, weight))
     assert sum(computed) == max(8, int(with_gradient.sum())) and computed[0] == 8, computed
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     (reference(h64, w64, targets, temperature=0.7)["log_probs"] * token_weight).sum().backward()
