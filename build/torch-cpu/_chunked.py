@@ -915,7 +915,8 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
     of the forward. With class weights, ``lse_grad`` carries the z-loss's gradient
     (``recomputed_row_grads``), which the kernels then leave out. ``entropy_grad`` [N] is
-    d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``."""
+    d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``. Only the rows
+    with a non-zero upstream gradient are computed (``_rows_with_gradient``)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]

@@ -15,7 +15,8 @@ statistics, merged by the same online softmax; only what is read off them per ro
 Why a function of its own and not options of the loss: the loss is one number whose gradient the
 sweep can compute as it goes (its upstream gradient is a scalar, applied in the backward), while
 these outputs take any per-token upstream gradient, known only in the backward. The backward
-therefore recomputes the logits (8 N V H flops in all instead of 6), except when it finds the
+therefore recomputes the logits (8 N V H flops in all instead of 6) of the rows whose upstream
+gradient is not 0 (not those of GRPO's tokens of advantage 0 without an entropy bonus), except when it finds the
 gradient of ``log_probs`` equal on every row with a target and no gradient on ``entropy`` (SFT's
 negative log-likelihood): then the gradients computed in the forward's sweep, those of the mean
 of -log_probs over the rows with a target, are exact once scaled, and need no scaling at all where
