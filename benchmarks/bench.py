@@ -80,7 +80,7 @@ TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs",
 GRPO_TEMPERATURE = 0.7
 GRPO_ENTROPY_COEF = 0.01
 # Methods that bench.py --base also times on an earlier build.
-BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft")
+BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft", "flce-grpo", "flce-grpo-coef0")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
 OTHER_LOSS = ("flce-grpo", "trl-grpo", "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue")
 
@@ -527,8 +527,7 @@ def main():
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     parser.add_argument("--base", default=None,
                         help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
-                             "methods fused-linear-ce@base, fused-linear-ce-metrics@base and flce-sft@base (those of "
-                             "--methods), laps alternating")
+                             "methods NAME@base for the BASE_METHODS among --methods, laps alternating")
     args = parser.parse_args()
 
     flce, loaded_from = load_flce()
