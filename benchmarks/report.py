@@ -729,7 +729,20 @@ def trl_section(runs) -> str:
               "GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
-    extra = [sentence for sentence in (grpo_zero_sentence(), trl_step_sentence()) if sentence]
+    # the metrics' cost in the last runs that timed the loss with and without them: it moves by about
+    # a percent between runs (docs/design.md, "Measuring on the H200")
+    by_run = []
+    for row in rows:
+        costs = []
+        for name, results in found:
+            loss, metrics = results.get((row, "fused-linear-ce")), results.get((row, "fused-linear-ce-metrics"))
+            if loss and metrics:
+                run = name.removeprefix("trl-h200-").removesuffix(".json")
+                costs.append(f"{run} {metrics['step_ms'] / loss['step_ms'] - 1:+.1%}")
+        if costs:
+            by_run.append(f"{row}: {', '.join(costs[-4:])}")
+    metrics_runs = "The metrics' cost in the last four runs: " + "; ".join(by_run) + "." if by_run else ""
+    extra = [sentence for sentence in (metrics_runs, grpo_zero_sentence(), trl_step_sentence()) if sentence]
     return "\n".join(lines + [line for sentence in extra for line in ("", sentence)])
 
 
