@@ -203,8 +203,9 @@ def _rows_with_gradient(backend, row_grads: list[torch.Tensor | None]) -> _RowOr
     has_gradient = row_grads[0] != 0
     for g in row_grads[1:]:
         has_gradient |= g != 0
-    # the order kernel puts the rows whose "target" is not ignore_index (here 0) first
-    return _row_order(backend, has_gradient.long(), LossOptions(ignore_index=0), "sum", False)
+    # The order kernel puts the rows whose "target" is not ignore_index (here 0) first; "mean" as
+    # the forwards' (its d loss / d loss_i go unused): the specialisation their first call compiles.
+    return _row_order(backend, has_gradient.long(), LossOptions(ignore_index=0), "mean", False)
 
 
 def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, training: bool,
