@@ -70,7 +70,7 @@ def ignore_fraction(row: str) -> float:
     return 0.0 if row.endswith("-no-ignored") else IGNORE_FRACTION
 METHODS = ["fused-linear-ce", "fused-linear-ce-metrics", "torch", "torch.compile", "quack", "quack-default",
            "liger-cute", "liger", "cce", "cce-exact", "flce-sft", "trl-sft", "flce-grpo", "trl-grpo",
-           "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue"]
+           "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue", "flce-per-row"]
 # TRL's trainers' LM head (trl.trainer.utils.add_fused_lm_head) as SFTTrainer and GRPOTrainer call it,
 # with TRL's own kernel (trl-*) or fused-linear-ce's (flce-*, what flce.trl.use_in_trl() installs): the
 # rows with a label gathered, the per-token outputs scattered back, the trainer's loss from them.
@@ -80,9 +80,10 @@ TRL_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs",
 GRPO_TEMPERATURE = 0.7
 GRPO_ENTROPY_COEF = 0.01
 # Methods that bench.py --base also times on an earlier build.
-BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft", "flce-grpo", "flce-grpo-coef0")
+BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft", "flce-grpo", "flce-grpo-coef0",
+                "flce-per-row")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
-OTHER_LOSS = ("flce-grpo", "trl-grpo", "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue")
+OTHER_LOSS = ("flce-grpo", "trl-grpo", "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue", "flce-per-row")
 
 
 def load_flce():
@@ -216,6 +217,21 @@ def no_head(hidden, weight, bias, labels, temperature, chunk_size, softcap, logi
     return log_probs, log_probs.detach(), None, None, torch.zeros_like(labels, dtype=torch.bool)
 
 
+def per_row_loss(flce):
+    """The loss per row (``reduction="none"``, all N rows with their ignored ones) weighted by
+    GRPO's per-sequence advantages and divided by the rows with a target: a per-token upstream
+    gradient, so the backward recomputes the logits of the rows that have one."""
+    advantages = {}
+
+    def loss(h, w, t):
+        if t.shape[0] not in advantages:
+            advantages[t.shape[0]] = _advantages(t.shape[0], t.device)
+        per_row = flce.fused_linear_cross_entropy(h, w, t, reduction="none")
+        return (per_row * advantages[t.shape[0]]).sum() / (t != -100).sum().clamp(min=1)
+
+    return loss
+
+
 def make_method(name, flce, zero_advantages: float = 0.0):
     if name in ("trl-sft", "trl-grpo", "trl-grpo-coef0"):
         from trl.kernels import ChunkedLogProbFunction
@@ -225,6 +241,8 @@ def make_method(name, flce, zero_advantages: float = 0.0):
         return trl_head(no_head, "sft")
     if name in ("flce-sft", "flce-grpo", "flce-grpo-coef0"):
         return trl_head(flce.trl.FusedLogProbs.apply, name.split("-", 1)[1], zero_advantages)
+    if name == "flce-per-row":  # the loss per row (reduction="none") weighted per sequence: the recomputing backward
+        return per_row_loss(flce)
     if name == "fused-linear-ce-metrics":
         return lambda h, w, t: flce.fused_linear_cross_entropy(h, w, t, return_metrics=True)[0]
     if name in ("quack", "quack-default"):

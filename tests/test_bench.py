@@ -78,3 +78,24 @@ def test_grpo_heads_with_and_without_the_entropy_bonus(bench):
     assert bench.trl_head(plain_head, "grpo-coef0")(hidden, weight, targets).item() == pytest.approx(policy.item())
     assert bench.trl_head(plain_head, "grpo")(hidden, weight, targets).item() == pytest.approx(
         (policy - bench.GRPO_ENTROPY_COEF * entropy / 4).item())
+
+
+def test_per_row_loss_weights_each_sequence(bench):
+    """``flce-per-row``: the loss per row weighted by its sequence's advantage over the rows with a
+    target, checked in float64 against cross_entropy with a plain loss in place of the kernel's
+    (the CPU)."""
+    import torch
+
+    class Plain:  # the kernel's call, by PyTorch
+        @staticmethod
+        def fused_linear_cross_entropy(hidden, weight, targets, reduction):
+            return torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction=reduction)
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    targets = torch.tensor([1, -100, 4, 0, -100, 2])
+    advantages = bench._advantages(6, hidden.device).double()
+    per_row = torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction="none")
+    assert bench.per_row_loss(Plain)(hidden, weight, targets).item() == pytest.approx(
+        (per_row * advantages).sum().item() / 4)
