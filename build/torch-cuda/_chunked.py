@@ -182,6 +182,14 @@ class _RowOrder:
         return torch.empty_like(values).index_copy_(0, self.order, values)
 
 
+def _chunk_of(t: torch.Tensor | None, row_order: _RowOrder | None, start: int, end: int) -> torch.Tensor | None:
+    """Rows [start, end) of the computed rows of ``t`` [N, ...] (None for None): in place, or in
+    ``row_order``'s order."""
+    if t is None:
+        return None
+    return t[start:end] if row_order is None else row_order.take(t, start, end)
+
+
 def _row_order(backend, targets: torch.Tensor, opts: LossOptions, reduction: str, all_rows: bool):
     """A ``_RowOrder``, or None (compute every row in place) when every row's lse is wanted,
     while a CUDA graph is captured (the host cannot read the count then), or without
@@ -690,7 +698,7 @@ class _ForwardStep:
             # (no local holds the chunk's hidden rows while the caller uses them: the caller drops
             # the gathered rows before grad_hidden's fp32 block is made, ``_factored_chunks``)
             yield (start, end,
-                   self.hidden[start:end] if row_order is None else row_order.take(self.hidden, start, end),
+                   _chunk_of(self.hidden, row_order, start, end),
                    self.slice_targets[start:end], self.buffer[: end - start] if self.training else None,
                    self.loss_grad[start:end] if self.training else None)
 
@@ -938,17 +946,12 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     if n_rows > 0:
         buffer = backend.new_buffer(min(chunk, n_rows), vocab_size, hidden.dtype, hidden.device)
         for start, end in _spans(n_rows, chunk, row_order, _first_chunk_rows(n_rows, chunk, row_order, True)):
-
-            def rows(t, start=start, end=end):  # the chunk's rows of a per-row tensor (or None)
-                if t is None:
-                    return None
-                return t[start:end] if row_order is None else row_order.take(t, start, end)
-
-            hidden_c = rows(hidden)
+            hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, smooth_grad_c, entropy_grad_c = (
+                _chunk_of(t, row_order, start, end)
+                for t in (hidden, targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad))
             grad_logits = backend.grad_logits(
-                hidden_c, weight, bias, rows(targets), rows(lse), rows(loss_grad), rows(lse_grad), opts,
-                buffer[: end - start], gradients.bias_acc, local_class_weight, rows(smooth_grad),
-                rows(entropy_grad),
+                hidden_c, weight, bias, targets_c, lse_c, loss_grad_c, lse_grad_c, opts, buffer[: end - start],
+                gradients.bias_acc, local_class_weight, smooth_grad_c, entropy_grad_c,
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
     return gradients.finish(hidden.dtype, bias, backend)
