@@ -5,11 +5,12 @@ import contextlib
 import importlib
 import importlib.util
 import os
-from pathlib import Path
+from pathlib import Path as _FilePath
+from typing import NamedTuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _FilePath(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -62,6 +63,23 @@ def tune(flce):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+class Path(NamedTuple):
+    """A code path of the loss and the device of its tensors."""
+
+    name: str  # "kernels": the Triton kernels (the GPU, or the interpreter on a CPU); "torch": the PyTorch path
+    device: str
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch) -> Path:
+    """Both code paths: the Triton kernels on ``DEVICE``, and the chunked PyTorch path, which CPU
+    tensors take outside the interpreter (``TRITON_INTERPRET`` is read per call)."""
+    if request.param == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return Path("torch", "cpu")
+    return Path("kernels", DEVICE)
 
 
 def submodule(flce, name: str):

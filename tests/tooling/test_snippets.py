@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [  # (file, the heading of the section to read; None: the whole file)
     ("docs/integrations.md", None),
     ("README.md", "Quickstart: a transformers model"),

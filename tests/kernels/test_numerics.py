@@ -14,13 +14,10 @@ from conftest import DEVICE, HAS_CUDA, assert_rel, make_inputs, submodule, toler
 from reference import reference
 
 
-@pytest.fixture(params=["kernels", "torch"])
-def device(request, monkeypatch):
-    """The device of the path's tensors (overrides conftest's fixture in this module)."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call: CPU tensors take the torch path
-        return "cpu"
-    return DEVICE
+@pytest.fixture
+def device(path):
+    """The device of the path's tensors, on both paths (overrides conftest's fixture in this module)."""
+    return path.device
 
 
 # ---- tanh of the softcap ------------------------------------------------------------------------

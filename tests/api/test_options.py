@@ -17,13 +17,10 @@ from test_loss import check_grads, check_metrics, grad_output_for
 N, H, V = 24, 40, 97
 
 
-@pytest.fixture(params=["kernels", "torch"])
-def device(request, monkeypatch):
-    """The device of the path's tensors (overrides conftest's fixture in this module)."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call: CPU tensors take the torch path
-        return "cpu"
-    return DEVICE
+@pytest.fixture
+def device(path):
+    """The device of the path's tensors, on both paths (overrides conftest's fixture in this module)."""
+    return path.device
 
 
 def class_weights(v, device, seed=0):

@@ -9,22 +9,10 @@ CPU) and "torch" (CPU tensors outside the interpreter: the chunked PyTorch path)
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, assert_rel, make_inputs, tolerance
+from conftest import assert_rel, make_inputs, tolerance
 from reference import reference
 
 N, H, V = 5, 4, 7
-PATHS = ["kernels", "torch"]
-
-
-@pytest.fixture(params=PATHS)
-def path(request, monkeypatch):
-    """(path name, device of its tensors)."""
-    if request.param == "torch":
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call: CPU tensors take the torch path
-        return request.param, "cpu"
-    return request.param, DEVICE
-
-
 def _interpreted(path) -> bool:
     return path == ("kernels", "cpu")
 

@@ -90,25 +90,15 @@ def _grads(loss_fn, tensors):
     return [t.grad.detach().clone() for t in tensors]
 
 
-@pytest.fixture(params=["kernels", "torch"])
-def path(request, monkeypatch):
-    """The Triton kernels (the GPU, or the interpreter on a CPU), or the PyTorch path of CPU tensors."""
-    if request.param == "torch":
-        if DEVICE != "cpu":
-            pytest.skip("the PyTorch path is the CPU's (CUDA tensors take the kernels)")
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call: CPU tensors take the torch path
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_gradients_of_any_token_weights(flce, dtype, softcap, path):
     """log_probs and entropy with random per-token upstream gradients (GRPO's advantages and
     entropy bonus): the recomputing backward, against float64 autograd, on both paths."""
-    hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=4, ignore=0.2)
+    hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=4, ignore=0.2, device=path.device)
     gen = torch.Generator().manual_seed(5)
-    log_prob_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(DEVICE)
-    entropy_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(DEVICE)
+    log_prob_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(path.device)
+    entropy_weight = torch.randn(40, generator=gen, dtype=torch.float64).to(path.device)
     options = dict(temperature=0.7, softcap=softcap)
 
     def loss():
@@ -132,12 +122,12 @@ def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path
     chunk sized before their count is known), and the gradients still match float64 autograd,
     grad_hidden exactly 0 on the rows left out."""
     tune(chunk_rows=8)
-    hidden, weight, targets, _ = make_inputs(48, 32, 97, dtype, seed=8, ignore=0.2)
+    hidden, weight, targets, _ = make_inputs(48, 32, 97, dtype, seed=8, ignore=0.2, device=path.device)
     advantage = torch.randn(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     advantage[[1, 2, 4]] = 0.0  # 3 of 6 sequences of 8 tokens in groups whose rewards were all equal
-    token_weight = advantage.repeat_interleave(8).to(DEVICE)
+    token_weight = advantage.repeat_interleave(8).to(path.device)
     with_gradient = (token_weight != 0) & (targets != -100)
-    backend = submodule(flce, "_triton_backend" if path == "kernels" else "_torch_backend")
+    backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
     computed = []
     grad_logits = backend.grad_logits
     monkeypatch.setattr(backend, "grad_logits", lambda hidden_c, *a, **k: computed.append(hidden_c.shape[0])
