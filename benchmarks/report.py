@@ -1,15 +1,14 @@
 """Regenerates BENCHMARKS.md, the plots and README's generated sections from the recorded JSON.
 
 Every number in them comes from the files in benchmarks/results/ (the GPU runs of bench.py and
-scripts/gpu-check, the CPU runs of cpu_bench.py), from the earlier runs of bench.py kept in
-lab/history/ (the table of the step ratio run by run) and from pyproject.toml; none is typed by
+scripts/gpu-check, the CPU runs of cpu_bench.py) and from pyproject.toml; none is typed by
 hand. Every method found in the JSON is shown, the peers in a known order first.
 
     python benchmarks/report.py [--check]
 """
 
+import fnmatch
 import json
-import re
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +20,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PLOTS = ROOT / "benchmarks" / "plots"
-HISTORY = ROOT / "lab" / "history"  # earlier recorded runs (lab/README.md)
 OURS = "fused-linear-ce"
 BASE = "@base"  # bench.py --base: the same methods on an earlier build, in the same run
 # Methods of bench.py in the order the tables show them; any other method found comes after.
@@ -40,6 +38,19 @@ SUMMARY_MARK = "<!-- BENCHMARK-SUMMARY -->"
 REQUIREMENTS_MARK = "<!-- REQUIREMENTS -->"
 
 
+ARCHIVE = RESULTS / "archive.json"  # earlier runs still shown, one file: {"runs": [{"name": ..., "data": ...}]}
+
+
+def recorded(pattern: str) -> list[tuple[str, dict]]:
+    """(name, data) of every recorded run whose file name matches ``pattern`` (a glob), whether
+    it is a file of benchmarks/results/ or a run of its archive, in the order of their names."""
+    runs = {p.name: json.loads(p.read_text()) for p in RESULTS.glob(pattern) if p != ARCHIVE}
+    if ARCHIVE.exists():
+        runs.update((run["name"], run["data"]) for run in json.loads(ARCHIVE.read_text())["runs"]
+                    if fnmatch.fnmatch(run["name"], pattern))
+    return sorted(runs.items())
+
+
 def load():
     """Latest result per (row, inputs, method) over the recorded runs (in the order of their
     dates), with its environment; a result without a step anatomy keeps the latest one traced
@@ -48,73 +59,34 @@ def load():
     ``anatomy-*.json`` run (bench.py with ``--anatomy-rows``, recorded for its traces alone) gives
     its anatomies to the latest results of its rows where it is newer, and none of its times."""
     runs, latest = [], {}
-    paths = sorted(RESULTS.glob("h200-*.json"))
-    for path, data in sorted(((p, json.loads(p.read_text())) for p in paths),
-                             key=lambda item: item[1]["environment"]["date"]):
-        runs.append((path.name, data))
+    for name, data in sorted(recorded("h200-*.json"), key=lambda item: item[1]["environment"]["date"]):
+        runs.append((name, data))
         for r in data["results"]:
             if r["method"].endswith(BASE):  # an earlier build's (``before_after_section``)
                 continue
             key = (r["row"], r["inputs"], r["method"])
-            r = {**r, "_file": path.name, "_matmul": data.get("matmul_tflops")}
+            r = {**r, "_file": name, "_matmul": data.get("matmul_tflops")}
             if "anatomy" not in r and "anatomy" in latest.get(key, {}):
                 r.update({k: latest[key][k] for k in ("anatomy", "_anatomy_file", "_anatomy_date")})
             elif "anatomy" in r:
-                r.update(_anatomy_file=path.name, _anatomy_date=data["environment"]["date"])
+                r.update(_anatomy_file=name, _anatomy_date=data["environment"]["date"])
             if "loss_err" not in r and "error" not in r and "loss_err" in latest.get(key, {}):
                 r.update({k: latest[key][k] for k in ERROR_KEYS},
                          _errors_file=latest[key].get("_errors_file", latest[key]["_file"]))
             latest[key] = r
-    for path in sorted(RESULTS.glob("anatomy-*.json")):
-        data = json.loads(path.read_text())
+    for name, data in recorded("anatomy-*.json"):
         date = data["environment"]["date"]
         for r in data["results"]:
             key = (r["row"], r["inputs"], r["method"])
             if "anatomy" in r and key in latest and latest[key].get("_anatomy_date", "") < date:
-                latest[key].update(anatomy=r["anatomy"], _anatomy_file=path.name, _anatomy_date=date)
-    return runs, latest
+                latest[key].update(anatomy=r["anatomy"], _anatomy_file=name, _anatomy_date=date)
+    used = {r[k] for r in latest.values() for k in ("_file", "_anatomy_file", "_errors_file") if k in r}
+    return [(name, data) for name, data in runs if name in used], latest
 
 
 def no_ignored_rows(latest) -> list[str]:
     """The main heads' rows with every target counted (bench.py's "-no-ignored" rows) measured."""
     return [f"{row}-no-ignored" for row in MAIN_ROWS if (f"{row}-no-ignored", "lm", OURS) in latest]
-
-
-def _version(name: str) -> str | None:
-    """The kernel version a run's file is named for (``h200-v18-main.json``: v18), or None."""
-    found = re.search(r"-(v\d+)[-.]", name)
-    return found.group(1) if found else None
-
-
-def step_ratio_runs():
-    """[(file, version, date, {(row, inputs): step ratio})] of every recorded run, lab/history's
-    too, oldest first: each main row's step time over the fastest peer's in that run, where
-    torch.compile ran beside this kernel."""
-    paths = sorted(RESULTS.glob("h200-*.json")) + sorted(HISTORY.glob("h200-*.json"))
-    found = []
-    for path in paths:
-        data = json.loads(path.read_text())
-        steps = {}
-        for r in data["results"]:
-            if r.get("step_ms"):
-                steps.setdefault((r["row"], r["inputs"]), {})[r["method"]] = r["step_ms"]
-        ratios = {key: by[OURS] / min(ms for method, ms in by.items() if method != OURS)
-                  for key, by in steps.items() if key[0] in MAIN_ROWS and OURS in by and "torch.compile" in by}
-        if ratios:
-            found.append((path.name, _version(path.name), data["environment"]["date"], ratios))
-    return sorted(found, key=lambda run: run[2])
-
-
-def step_ratio_section(runs) -> str:
-    """Each run's step ratios on the main rows, newest first, marked against the target."""
-    columns = [(row, inputs) for row in MAIN_ROWS for inputs in ("lm", "uniform")]
-    lines = ["| run | date | " + " | ".join(f"{row} ({inputs})" for row, inputs in columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
-    for name, _, date, ratios in reversed(runs):
-        cells = [f"{ratios[key]:.3f} {'✓' if ratios[key] <= STEP_TARGET else '✗'}" if key in ratios else "—"
-                 for key in columns]
-        lines.append(f"| `{name}` | {date[:16]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _scaling_span(latest) -> str:
@@ -375,7 +347,7 @@ def anatomy_table(latest, rows, inputs="lm"):
 
 
 def nccl_runs():
-    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("nccl-*.json"))]
+    return recorded("nccl-*.json")
 
 
 def nccl_section(runs):
@@ -455,7 +427,7 @@ def summary(latest):
         f"{_listing(step, '.3f', '×')} of its time on LM-like inputs ({_listing(step_uniform, '.3f', '×')} on "
         f"uniform ones){scale_text}; against the fastest forward "
         f"({_peer_names(latest, MAIN_ROWS, 'lm', 'fwd_ms')}), the forward runs at {_listing(fwd, '.2f', '×')} "
-        f"its speed. These are one run's ratios on a card at its power cap{_version_spread(latest)}.")
+        f"its speed. These are one run's ratios on a card at its power cap.")
     every_target = no_ignored_rows(latest)
     if every_target:
         step_all = {row: ratio(row, "step_ms") for row in every_target}
@@ -475,13 +447,12 @@ def summary(latest):
 
 
 def before_after_runs():
-    """(file, data) of the runs that timed an earlier build beside this one (``bench.py --base``):
-    ``h200-*.json`` runs with every peer, ``before-after-*.json`` runs of the two builds (and
-    perhaps torch.compile) alone, in the order of their dates."""
-    paths = [*RESULTS.glob("h200-*.json"), *RESULTS.glob("before-after-*.json")]
-    runs = [(path.name, json.loads(path.read_text())) for path in paths]
+    """[(file, data)] of the newest run that timed an earlier build beside this one (``bench.py --base``):
+    an ``h200-*.json`` run with every peer, or a ``before-after-*.json`` run of the two builds (and
+    perhaps torch.compile) alone."""
+    runs = recorded("h200-*.json") + recorded("before-after-*.json")
     return sorted([(name, data) for name, data in runs if "base" in data],
-                  key=lambda item: item[1]["environment"]["date"])
+                  key=lambda item: item[1]["environment"]["date"])[-1:]
 
 
 def _before_after(data):
@@ -544,7 +515,7 @@ COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft":
 def cold_start_sentence() -> str:
     """The first training calls of ``benchmarks/cold_start.py`` (a fresh process, an empty Triton cache)
     from the newest ``cold-start-*.json`` that timed the lazy call beside them; empty where none does."""
-    runs = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("cold-start-*.json"))]
+    runs = recorded("cold-start-*.json")
     runs = [(name, data) for name, data in runs if any(r["call"] == "loss-lazy" for r in data["records"])]
     if not runs:
         return ""
@@ -558,20 +529,6 @@ def cold_start_sentence() -> str:
             f"at its launch. Elsewhere the kernels compile at their launches and the logit kernel is autotuned "
             f"(two to five configurations) at its first call for a given (H, V, dtype, flags). Later calls reuse "
             f"the compiled kernels; a new N (batch or sequence length) does not retune.")
-
-
-def _version_spread(latest) -> str:
-    """Where the runs of the latest main rows' version put each head's step ratio, as a clause
-    ("" with one run of it)."""
-    version = _version(latest[(MAIN_ROWS[0], "lm", OURS)]["_file"]) if (MAIN_ROWS[0], "lm", OURS) in latest else None
-    runs = [run for run in step_ratio_runs() if version and run[1] == version]
-    if len(runs) < 2:
-        return ""
-    spans = {row: [ratios[(row, inputs)] for *_, ratios in runs for inputs in ("lm", "uniform")
-                   if (row, inputs) in ratios] for row in MAIN_ROWS}
-    listing = ", ".join(f"{min(v):.3f}–{max(v):.3f} ({row})" for row, v in spans.items() if v)
-    return (f"; the {len(runs)} runs of {version} (BENCHMARKS.md, \"The step ratio run by run\") put it at "
-            f"{listing}, both kinds of inputs")
 
 
 def readme_table(latest):
@@ -618,14 +575,13 @@ TRL_TARGETS = {"sft": 0.72, "grpo": 0.8, "metrics": 0.03, "entropy_grad": 0.08}
 
 
 def trl_runs():
-    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("trl-h200-*.json"))]
+    return recorded("trl-h200-*.json")
 
 
 def trl_step_sentence() -> str:
     """The SFTTrainer step of ``scripts/trl_gpu.py`` (a 2-layer Llama-3-shaped model) with TRL's head
     and with this kernel's, from the newest ``trl-gpu-*.json``; empty where none is recorded."""
-    paths = sorted(RESULTS.glob("trl-gpu-*.json"))
-    runs = [(p.name, json.loads(p.read_text())) for p in paths]
+    runs = recorded("trl-gpu-*.json")
     runs = [(name, data) for name, data in runs if "sft_step" in data and data.get("gpu") != "cpu-smoke"]
     if not runs:
         return ""
@@ -644,7 +600,7 @@ def trl_step_sentence() -> str:
 def grpo_zero_sentence() -> str:
     """GRPO at entropy_coef 0 with a share of its sequences at advantage 0, with both kernels, from
     the newest ``grpo-zero-advantages-*.json``; empty where none is recorded."""
-    runs = [(p.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("grpo-zero-advantages-*.json"))]
+    runs = recorded("grpo-zero-advantages-*.json")
     if not runs:
         return ""
     name, data = max(runs, key=lambda item: item[1]["environment"]["date"])
@@ -729,25 +685,12 @@ def trl_section(runs) -> str:
               "GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
-    # the metrics' cost in the last runs that timed the loss with and without them: it moves by about
-    # a percent between runs (docs/design.md, "Measuring on the H200")
-    by_run = []
-    for row in rows:
-        costs = []
-        for name, results in found:
-            loss, metrics = results.get((row, "fused-linear-ce")), results.get((row, "fused-linear-ce-metrics"))
-            if loss and metrics:
-                run = name.removeprefix("trl-h200-").removesuffix(".json")
-                costs.append(f"{run} {metrics['step_ms'] / loss['step_ms'] - 1:+.1%}")
-        if costs:
-            by_run.append(f"{row}: {', '.join(costs[-4:])}")
-    metrics_runs = "The metrics' cost in the last four runs: " + "; ".join(by_run) + "." if by_run else ""
-    extra = [sentence for sentence in (metrics_runs, grpo_zero_sentence(), trl_step_sentence()) if sentence]
+    extra = [sentence for sentence in (grpo_zero_sentence(), trl_step_sentence()) if sentence]
     return "\n".join(lines + [line for sentence in extra for line in ("", sentence)])
 
 
 def cpu_runs():
-    return [(path.name, json.loads(path.read_text())) for path in sorted(RESULTS.glob("cpu-*.json"))]
+    return recorded("cpu-*.json")
 
 
 def cpu_section(runs):
@@ -778,8 +721,7 @@ def cpu_section(runs):
 def _gpu_environments():
     """(GPU, torch, triton, Python) of every recorded GPU run."""
     found = []
-    for path in sorted(RESULTS.glob("*.json")):
-        data = json.loads(path.read_text())
+    for _, data in recorded("*.json"):
         env = data.get("environment", data)
         versions = env.get("versions", env)
         if "gpu" in env and "torch" in versions:
@@ -927,14 +869,6 @@ def main():
                   "between a step's first small kernels are the host's, which without the profiler keeps "
                   "ahead of the GPU and waits for it (docs/design.md, \"The host\").", "",
                   anatomy_table(latest, MAIN_ROWS)]
-    ratio_runs = step_ratio_runs()
-    if ratio_runs:
-        parts += ["", "## The step ratio run by run", "",
-                  "Every recorded run (`benchmarks/results/` and `lab/history/`) that timed torch.compile beside "
-                  "this kernel on a main head, newest first: the step time over the fastest peer's in that run "
-                  f"(target ≤ {STEP_TARGET}). Each run is one machine at its power cap; the kernel changed between "
-                  "versions (docs/design.md gives the decisions and their measurements).", "",
-                  step_ratio_section(ratio_runs)]
     before_after = before_after_runs()
     if before_after:
         parts += ["", "## Before and after", "",

@@ -1,6 +1,6 @@
 """Makes the Hub's build folders from the sources, as kernel-builder does for a noarch kernel.
 
-torch-ext/fused_linear_ce/*.py are copied flat into build/torch-cuda/ and build/torch-cpu/
+torch-ext/fused_linear_ce/*.py (and the data files, *.json) are copied flat into build/torch-cuda/ and build/torch-cpu/
 with a metadata.json whose id is unique to the sources and the backend. With --check,
 nothing is written: the exit status says whether build/ matches the sources.
 
@@ -23,7 +23,7 @@ BACKENDS = ("cuda", "cpu")
 def expected_files() -> dict[Path, bytes]:
     """Every file of build/ as it should be: relative path -> content."""
     general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
-    sources = {p.name: p.read_bytes() for p in sorted(SOURCES.glob("*.py"))}
+    sources = {p.name: p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.suffix in (".py", ".json")}
     digest = hashlib.sha256()
     for name, content in sources.items():
         digest.update(name.encode() + b"\0" + content + b"\0")

@@ -1,5 +1,5 @@
 """Records, on a GPU, the Triton specialisations that each kind of call compiles, and writes them
-as ``torch-ext/fused_linear_ce/_specializations.py`` for ``_precompile`` (its key: this GPU's
+as ``torch-ext/fused_linear_ce/specializations.json`` for ``_precompile`` (its key: this GPU's
 sm_XY; other GPUs' entries are kept). Each kind runs in its own process, with precompilation
 off, so that its first calls compile every kernel they launch; Triton's post-compile hook
 records each compilation as ``JITFunction.preload`` takes it.
@@ -9,7 +9,7 @@ TRL's heads gather the rows with a label) and at 5003 rows, bf16, with a softcap
 head; the per-token kinds take SFT's outputs (log-probs, entropy, top-1, one weight a row: the
 sweep's gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7) and
 DPO's (log-probs alone, summed, then weighted per sequence). Re-record after changing a
-kernel's parameters or a launch's specialisation (``tests/test_precompile.py`` checks the
+kernel's parameters or a launch's specialisation (``tests/kernels/test_precompile.py`` checks the
 parameters).
 
     python scripts/record_specializations.py [--out PATH]
@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "torch-ext" / "fused_linear_ce" / "_specializations.py"
+TABLE = ROOT / "torch-ext" / "fused_linear_ce" / "specializations.json"
 # The per-token kinds: SFT's outputs, GRPO's (entropy with a gradient) and DPO's (log-probs alone).
 KINDS = ("loss", "metrics", "tokens:entropy,is_top1,log_probs", "tokens:entropy,log_probs", "tokens:log_probs")
 
@@ -107,9 +107,7 @@ def main() -> None:
     import triton
 
     major, minor = torch.cuda.get_device_capability()
-    namespace: dict = {}
-    exec(TABLE.read_text(), namespace)
-    recorded = namespace["RECORDED"]
+    recorded = json.loads(TABLE.read_text())
     kinds = {}
     for kind in KINDS:
         kinds[kind] = record(kind)
@@ -118,23 +116,22 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kinds": kinds,
     }
-    args.out.write_text(render(recorded, TABLE.read_text().split("RECORDED")[0]))
+    args.out.write_text(render(recorded))
     print(f"wrote {args.out}")
 
 
-def render(recorded: dict, header: str) -> str:
-    """The table as a Python module: ``header`` (the docstring), then one line an entry."""
-    lines = [header.rstrip() + "\n", "RECORDED: dict = {"]
-    for gpu, table in recorded.items():
+def render(recorded: dict) -> str:
+    """The table as JSON, one line an entry (so that a new recording diffs entry by entry)."""
+    lines = ["{"]
+    for i, (gpu, table) in enumerate(recorded.items()):
         about = {k: v for k, v in table.items() if k != "kinds"}
-        lines.append(f"    {gpu!r}: {{{repr(about)[1:-1]}, 'kinds': {{")
-        for kind, entries in table["kinds"].items():
-            lines.append(f"        {kind!r}: [")
-            lines += [f"            {entry!r}," for entry in entries]
-            lines.append("        ],")
-        lines.append("    }},")
+        lines.append(f'  {json.dumps(gpu)}: {{{json.dumps(about)[1:-1]}, "kinds": {{')
+        for j, (kind, entries) in enumerate(table["kinds"].items()):
+            lines.append(f"    {json.dumps(kind)}: [")
+            lines += [f"      {json.dumps(e)}" + ("," if k < len(entries) - 1 else "") for k, e in enumerate(entries)]
+            lines.append("    ]" + ("," if j < len(table["kinds"]) - 1 else ""))
+        lines.append("  }}" + ("," if i < len(recorded) - 1 else ""))
     return "\n".join(lines) + "\n}\n"
-
 
 if __name__ == "__main__":
     main()

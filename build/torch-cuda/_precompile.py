@@ -8,7 +8,7 @@ are independent, but much of their time holds Python's lock, so threads barely o
 cache, where each kernel's first launch then finds it. A child only compiles (no CUDA call:
 its parent's CUDA state is not valid in it) and leaves with ``os._exit``.
 
-What to compile comes from ``_specializations``: for each kind of call (the loss, with metrics,
+What to compile comes from ``specializations.json`` (read on first use): for each kind of call (the loss, with metrics,
 or per-token outputs, a kind for each set of outputs that TRL's trainers ask for), the
 specialisations that its first calls compiled on a GPU (``scripts/record_specializations.py``), in the form of
 Triton's ``JITFunction.preload``. Triton keys its compiled kernels by the arguments'
@@ -19,11 +19,14 @@ compiles what it lacks at its launch, as without this module.
 """
 
 import contextlib
+import functools
+import json
 import os
 import signal
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import triton
@@ -32,7 +35,6 @@ from triton.runtime import driver
 
 from . import _kernels
 from ._settings import current as settings
-from ._specializations import RECORDED
 
 _warmed: set[tuple[str, int]] = set()
 _lock = threading.Lock()
@@ -46,10 +48,16 @@ def _kernel(module: str, name: str):
     return getattr(_kernels, name)
 
 
+@functools.cache
+def recorded() -> dict:
+    """The recorded specialisations, per GPU (``sm_90``: gpu, triton, torch, date, kinds)."""
+    return json.loads(Path(__file__).with_name("specializations.json").read_text())
+
+
 def _table(device: torch.device) -> dict | None:
     """The recorded specialisations of ``device``'s GPU, if recorded with this Triton (major.minor)."""
     major, minor = torch.cuda.get_device_capability(device)
-    table = RECORDED.get(f"sm_{major}{minor}")
+    table = recorded().get(f"sm_{major}{minor}")
     if table is None or table["triton"].split(".")[:2] != triton.__version__.split(".")[:2]:
         return None
     return table

@@ -119,7 +119,7 @@ def _nan_cases(hidden, weight, bias):
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # the interpreter's tl.max
-def test_predictions_of_nan_logits_are_torch_argmax(flce, device, request):
+def test_predictions_of_nan_logits_are_torch_argmax(flce, device, path):
     """predictions equal torch.argmax of the logits: the first NaN of a row where it has one, else
     the first max. The kernels' tile argmax used to skip a NaN column and give an all-NaN row the
     prediction V (a padding column of the last tile). The kernels' sweep takes a NaN for +inf (one
@@ -127,7 +127,7 @@ def test_predictions_of_nan_logits_are_torch_argmax(flce, device, request):
     and NaN logits, whose loss is NaN, predicts its first +inf or NaN column."""
     hidden, weight, targets, bias = make_inputs(6, 16, 100, torch.float32, seed=5, device=device, bias=True,
                                                 requires_grad=False)
-    kernels = request.node.callspec.params["device"] == "kernels"
+    kernels = path.name == "kernels"
     for name, h, w, b in _nan_cases(hidden, weight, bias):
         _, metrics = flce.fused_linear_cross_entropy(h, w, targets, b, return_metrics=True)
         logits = h.cpu().double() @ w.cpu().double().T + b.cpu().double()

@@ -1,5 +1,5 @@
 """The cold start: eager calls that import no torch._dynamo, the recorded specialisations
-(``_specializations``) against the kernels' parameters, and on a recorded GPU, a first call
+(``specializations.json``) against the kernels' parameters, and on a recorded GPU, a first call
 whose kernels are all compiled by the parallel warm-up, none at their launches."""
 
 import ast
@@ -51,9 +51,7 @@ def _parameters(module: str) -> dict[str, list[str]]:
 
 
 def _recorded() -> dict:
-    namespace: dict = {}
-    exec((SOURCES / "_specializations.py").read_text(), namespace)
-    return namespace["RECORDED"]
+    return json.loads((SOURCES / "specializations.json").read_text())
 
 
 def test_recorded_specializations_match_the_kernels():
