@@ -1,4 +1,4 @@
-"""Every ```python block of docs/integrations.md, and of README.md's quickstart, causal-LM example,
+"""Every ```python block of docs/integrations.md, and of README.md's quickstart,
 metrics and integrations sections, runs as is (tiny CPU models, nothing downloaded) and its own
 asserts hold.
 
@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [  # (file, the heading of the section to read; None: the whole file)
     ("docs/integrations.md", None),
     ("README.md", "Quickstart: a transformers model"),
-    ("README.md", "A causal LM"),
     ("README.md", "Metrics"),
     ("README.md", "Per-token outputs: log-probs and entropy for RL and preference training"),
     ("README.md", "Integrations"),
