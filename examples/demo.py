@@ -3,7 +3,8 @@ once with the fused linear cross-entropy kernel (loaded with the model card's li
 plain PyTorch (logits, then F.cross_entropy), and compare loss, token accuracy and entropy.
 
     python examples/demo.py                  # CUDA GPU (bf16) if there is one, else CPU (fp32)
-    python examples/demo.py --interpret      # CPU tensors through the Triton interpreter (slow)
+    python examples/demo.py --interpret      # CPU tensors through the Triton interpreter (slow; needs
+                                             # triton and numpy: pip install -e ".[demo,triton]")
     python examples/demo.py --vocab 131072 --batch 32 --seq 256   # on a GPU: see the memory
 
 On CPU tensors the kernel runs its chunked PyTorch path; with --interpret it runs the Triton
@@ -110,8 +111,19 @@ def parse_args():
     return args
 
 
+def _missing_for_interpret() -> list[str]:
+    """The packages that --interpret needs (Triton's interpreter runs the kernels with numpy) and lacks."""
+    import importlib.util
+
+    return [name for name in ("triton", "numpy") if importlib.util.find_spec(name) is None]
+
+
 def main():
     args = parse_args()
+    if args.interpret and _missing_for_interpret():
+        sys.exit(f"--interpret runs the Triton kernels in Triton's CPU interpreter, which needs "
+                 f"{' and '.join(_missing_for_interpret())}: pip install -e \".[demo,triton]\" (or drop --interpret: "
+                 f"CPU tensors then take the kernel's PyTorch path, which needs neither)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.interpret else "cpu"))
     if args.interpret and device.type != "cpu":
         sys.exit("--interpret runs CPU tensors; drop --device cuda")

@@ -1,13 +1,19 @@
 """Makes the Hub's build folders from the sources, as kernel-builder does for a noarch kernel.
 
-torch-ext/fused_linear_ce/*.py (and the data files, *.json) are copied flat into build/torch-cuda/ and build/torch-cpu/
-with a metadata.json whose id is unique to the sources and the backend. With --check,
-nothing is written: the exit status says whether build/ matches the sources.
+torch-ext/fused_linear_ce/*.py and its data files (*.json) are copied flat into build/torch-cuda/ and build/torch-cpu/,
+with a symbols.json (the public functions and layers, which ``kernels describe-api`` lists) and a
+metadata.json: an id unique to the sources and the backend, the upstream and source repositories
+(``kernels info``), the provenance (this script in kernel-builder's place), and the digest that
+kernels >= 0.19 verifies on load: each file of the variant but metadata.json (and __pycache__),
+by its path relative to the variant, the base64 of its SHA-256 (kernels' ``Digest.hash_variant``).
+With --check, nothing is written: the exit status says whether build/ matches the sources.
 
     python scripts/build_variants.py [--check]
 """
 
 import argparse
+import ast
+import base64
 import hashlib
 import json
 import sys
@@ -18,27 +24,60 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ROOT / "torch-ext" / "fused_linear_ce"
 BACKENDS = ("cuda", "cpu")
+REPOSITORY = "https://huggingface.co/qgallouedec/fused-linear-ce"  # the sources ship in it (torch-ext/)
+PROVENANCE = {"kernel-builder": {"version": "scripts/build_variants.py"}}  # no kernel-builder, no git state:
+# the commit of a build that is itself committed cannot be written into it
+
+
+def symbols(sources: dict[str, bytes]) -> dict:
+    """symbols.json (schema 1, as ``kernels describe-api`` reads it): the functions among
+    ``__init__.__all__`` and the layers of layers.py (their ``has_backward`` and ``can_torch_compile``),
+    read from the sources' syntax trees (nothing is imported)."""
+    trees = {name.removesuffix(".py"): ast.parse(content) for name, content in sources.items() if name.endswith(".py")}
+    exported = next(ast.literal_eval(node.value) for node in trees["__init__"].body
+                    if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+    functions = {node.name for tree in trees.values() for node in tree.body if isinstance(node, ast.FunctionDef)}
+    layers = []
+    for node in trees["layers"].body:
+        if isinstance(node, ast.ClassDef):
+            flags = {t.id: n.value.value for n in node.body if isinstance(n, ast.Assign)
+                     for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+            layers.append({"name": node.name, "attributes": {k: flags.get(k) for k in ("has_backward",
+                                                                                     "can_torch_compile")}})
+    return {"schema_version": 1, "functions": [{"name": n} for n in exported if n in functions], "layers": layers}
+
+
+def digest(files: dict[str, bytes]) -> dict:
+    """The metadata's digest of a variant's files (relative path -> content)."""
+    return {"algorithm": "sha256",
+            "files": {path: base64.b64encode(hashlib.sha256(content).digest()).decode()
+                      for path, content in sorted(files.items())}}
 
 
 def expected_files() -> dict[Path, bytes]:
     """Every file of build/ as it should be: relative path -> content."""
     general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
     sources = {p.name: p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.suffix in (".py", ".json")}
-    digest = hashlib.sha256()
+    source_digest = hashlib.sha256()
     for name, content in sources.items():
-        digest.update(name.encode() + b"\0" + content + b"\0")
+        source_digest.update(name.encode() + b"\0" + content + b"\0")
+    variant_files = {**sources, "symbols.json": (json.dumps(symbols(sources), indent=2) + "\n").encode()}
     files = {}
     for backend in BACKENDS:
         variant = Path(f"torch-{backend}")
-        for name, content in sources.items():
+        for name, content in variant_files.items():
             files[variant / name] = content
         metadata = {
             "name": general["name"],
-            "id": f"_{general['name'].replace('-', '_')}_{backend}_{digest.hexdigest()[:10]}",
+            "id": f"_{general['name'].replace('-', '_')}_{backend}_{source_digest.hexdigest()[:10]}",
             "version": general["version"],
             "license": general["license"],
+            "upstream": REPOSITORY,
+            "source": REPOSITORY,
             "python-depends": [],
             "backend": {"type": backend},
+            "provenance": PROVENANCE,
+            "digest": digest(variant_files),
         }
         files[variant / "metadata.json"] = (json.dumps(metadata, indent=2) + "\n").encode()
     return files

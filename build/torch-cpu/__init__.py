@@ -7,8 +7,6 @@ Language Models" (Wijmans et al., 2024, arXiv 2411.09009).
 the package itself imports neither TRL nor transformers.
 """
 
-import importlib
-
 from . import causal_lm, layers, patching
 from .causal_lm import causal_lm_loss, token_metrics
 from .interface import fused_linear_cross_entropy
@@ -37,5 +35,7 @@ _LAZY_SUBMODULES = ("trl",)  # they import optional libraries
 
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:
+        import importlib  # here, not at the top: it would show among the package's names
+
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ Imported on first use (``fused_linear_ce.trl``, or ``flce.trl`` on the kernel lo
 
 import importlib.metadata
 
+import torch
 from torch import Tensor
 
 from .log_probs import fused_linear_log_probs
@@ -27,18 +28,33 @@ _trl_own_kernel = None  # TRL's own, while ours stands in for it
 
 
 class FusedLogProbs:
-    """Stands in for TRL's ``ChunkedLogProbFunction``: the same ``apply`` arguments and outputs."""
+    """Stands in for TRL's ``ChunkedLogProbFunction``: the same ``apply`` arguments, defaults and outputs.
+
+    TRL's kernel is an ``autograd.Function`` whose ``apply`` takes its arguments by position; this
+    one takes them by position or by name. Where it differs (docs/integrations.md): ``chunk_size``,
+    TRL's tiling of the tokens, has no use (the kernel plans its own tiles), and the logits are never
+    rounded to the inputs' dtype (bf16 inputs give outputs computed from fp32 logits)."""
 
     @staticmethod
-    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
-              chunk_size: int, final_logit_softcapping: float | None, logit_scale: float,
-              outputs: tuple[str, ...]) -> tuple[Tensor | None, ...]:
-        """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) of ``hidden`` (N, H)
-        against ``labels`` (N,), None where not in ``outputs``; ``chunk_size`` is TRL's tiling
-        and has no use here (the kernel plans its own chunks)."""
+    def apply(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+              chunk_size: int, final_logit_softcapping: float | None = None, logit_scale: float = 1.0,
+              outputs: tuple[str, ...] = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+              ) -> tuple[Tensor | None, ...]:
+        """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1) of ``hidden`` (N, H) against
+        ``targets`` (N,), None where not in ``outputs`` (log_probs always). Outside autocast, a
+        weight (and bias) of another dtype than hidden is cast to hidden's, as TRL's kernel does
+        (the gradient reaches it in its own dtype)."""
+        if isinstance(hidden, Tensor) and not _autocast_enabled(hidden):
+            weight, bias = (t.to(hidden.dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+                            for t in (weight, bias))
         return tuple(fused_linear_log_probs(
-            hidden, weight, labels, bias, temperature=temperature, logit_scale=logit_scale,
+            hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
             softcap=final_logit_softcapping or None, outputs=outputs))
+
+
+def _autocast_enabled(hidden: Tensor) -> bool:
+    device_type = hidden.device.type
+    return device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type)
 
 
 def _trl_utils():

@@ -76,6 +76,7 @@ def causal_lm_loss(
         ``(loss, metrics, lse)``. With mean reduction and no valid position the loss is NaN, as in
         transformers.
     """
+    given_shifted = shift_labels is not None
     if shift_labels is None:
         if labels is None:
             raise ValueError("causal_lm_loss needs labels or shift_labels")
@@ -84,7 +85,10 @@ def causal_lm_loss(
     hidden_2d = hidden_states.reshape(-1, hidden_size)
     targets = shift_labels.reshape(-1).to(hidden_2d.device)
     if targets.shape[0] != hidden_2d.shape[0]:
-        raise ValueError(f"labels have {targets.shape[0]} positions but hidden_states has {hidden_2d.shape[0]}")
+        given, shape = ("shift_labels", shift_labels.shape) if given_shifted else ("labels", labels.shape)
+        raise ValueError(f"{given} of shape {tuple(shape)} do not match hidden_states of shape "
+                         f"{tuple(hidden_states.shape)}: one label per position of its leading shape "
+                         f"{tuple(hidden_states.shape[:-1])}")
     # (under torch.autocast, fused_linear_cross_entropy casts as lm_head's F.linear would)
     divide = reduction == "mean" and num_items_in_batch is not None
     out = fused_linear_cross_entropy(

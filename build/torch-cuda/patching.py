@@ -12,14 +12,16 @@ Both refuse a model whose own loss is not transformers' ``ForCausalLMLoss`` of
 
 import functools
 import inspect
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ._head_source import HeadPlan, head_plan, plan_options, read_path
 from .causal_lm import causal_lm_loss
 
 
@@ -27,12 +29,15 @@ def logit_options(config: Any) -> dict[str, float | None]:
     """``{"logit_scale", "softcap"}`` of the final logits of a transformers causal-LM config.
 
     Read as the models of transformers 5.x apply them after the lm_head: Gemma-2/3/3n/4's
-    ``final_logit_softcapping``; Cohere's ``logit_scale``; Falcon-H1's ``lm_head_multiplier``;
-    Granite's ``logits_scaling`` (a divisor; HyperCLOVA X multiplies by it). Multimodal configs
-    are read through their text config.
+    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``); Cohere's ``logit_scale``;
+    Falcon-H1's ``lm_head_multiplier``; Granite's ``logits_scaling`` (a divisor; HyperCLOVA X
+    multiplies by it). Multimodal configs are read through their text config. ``patch_forward``
+    checks each model's forward against these (``_head_source``).
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is None:
+        softcap = getattr(text, "logits_soft_cap", None)
     scale = getattr(text, "logit_scale", None)
     if scale is None:
         scale = getattr(text, "lm_head_multiplier", None)
@@ -126,12 +131,9 @@ def _class_problem(cls: type) -> str | None:
     if not registered and _loss_type_of_name(cls.__name__) != "ForCausalLM":
         return (f"{cls.__name__} is no class of transformers' MODEL_FOR_CAUSAL_LM_MAPPING (nor a subclass of one), "
                 f"and its loss_type is {_loss_type_of_name(cls.__name__)!r}, not 'ForCausalLM'")
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        source = None  # no source to read (a frozen install): nothing tells against the class
-    if source is not None and "self.loss_function(" not in source:
-        return f"{cls.__name__}.forward computes its loss without self.loss_function (transformers' ForCausalLMLoss)"
+    plan = head_plan(cls)  # None: no source to read (a frozen install), nothing tells against the class
+    if isinstance(plan, str):
+        return f"{cls.__name__}.forward {plan}"
     backbone = getattr(cls, "base_model_prefix", "") + "."
     for key in getattr(cls, "_tied_weights_keys", None) or ():  # {output parameter: input parameter}
         head = key.rsplit(".", 1)[0]
@@ -168,6 +170,24 @@ def _model_problem(model) -> str | None:
     others = [child_name for child_name, child in children.items() if child is not backbone and child is not lm_head]
     if others:
         return f"this {name} has modules besides its backbone and lm_head, which may act between them: {others}"
+    return _plan_problem(model, head_plan(type(model)))
+
+
+def _plan_problem(model, plan: HeadPlan | None) -> str | None:
+    """Why ``model``'s forward, as ``plan`` reads it, makes another loss than ``causal_lm_loss`` with
+    ``logit_options(model.config)`` (which fused_forward takes, also in a compiled graph)."""
+    if plan is None:
+        return None
+    name = type(model).__name__
+    if getattr(model, plan.head, None) is not model.get_output_embeddings():
+        return f"this {name}'s forward takes its logits from self.{plan.head}, not from its output embeddings"
+    for path in plan.zero:
+        if read_path(model, path):
+            return f"this {name} adds a term to its loss unless {path.removeprefix('self.')} is 0"
+    applied, read = plan_options(model, plan), logit_options(model.config)
+    if applied["softcap"] != read["softcap"] or not math.isclose(applied["logit_scale"], read["logit_scale"]):
+        return (f"this {name}'s forward applies {applied} to its logits ({plan.steps}), but its config reads as "
+                f"{read}")
     return None
 
 
@@ -249,12 +269,21 @@ def fused_forward(
     result = list(result) if isinstance(result, tuple) else [result]
     return FusedCausalLMOutput(
         loss=result[0],
-        past_key_values=getattr(outputs, "past_key_values", None),
-        hidden_states=getattr(outputs, "hidden_states", None),
-        attentions=getattr(outputs, "attentions", None),
+        past_key_values=_output_field(outputs, "past_key_values"),
+        hidden_states=_output_field(outputs, "hidden_states"),
+        attentions=_output_field(outputs, "attentions"),
         metrics=result[1] if return_metrics else None,
         lse=result[-1] if return_lse else None,
     )
+
+
+def _output_field(outputs, name: str):
+    """A field of the backbone's output, read as the mapping a transformers ``ModelOutput`` is: an
+    attribute read would run the properties that transformers keeps for renamed fields, which warn
+    that the old name (``past_key_values`` / ``cache_params``) is deprecated."""
+    if isinstance(outputs, Mapping):
+        return outputs.get(name)
+    return getattr(outputs, name, None)
 
 
 def _is_zero3_parameter(weight: Tensor) -> bool:

@@ -4,16 +4,26 @@ The CPU tests run the kernels in Triton's interpreter, which accepts programs th
 compiler refuses (seen: a branch on a tile-wide value inside the flattened persistent loop,
 "'scf.if' op region control flow edge ... source has 1 operands, but target successor needs 6").
 ``scripts/compile_sm90.py`` compiles the kernel through Triton's own compiler instead; it runs in
-a subprocess because this session's kernels are decorated for the interpreter."""
+a subprocess because this session's kernels are decorated for the interpreter.
+
+Opt-in on a machine without CUDA (minutes of compiling for a GPU it does not have):
+``python -m pytest -m sm90``; on a CUDA machine these run with the rest of the suite."""
 
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import HAS_CUDA, ROOT
 
 SCRIPT = ROOT / "scripts" / "compile_sm90.py"
+pytestmark = pytest.mark.sm90
+
+
+@pytest.fixture(autouse=True)
+def _opt_in_without_cuda(request):
+    if not HAS_CUDA and "sm90" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("compiles the kernels for Hopper, minutes on a CPU-only machine: opt in with pytest -m sm90")
 
 
 def _compile(*args):

@@ -2,6 +2,7 @@
 the kernel loads as the model card says, as a variant folder and as the pip package."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,119 @@ def test_benchmark_tables_are_generated_from_the_recorded_results():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+# ---- what current kernels releases verify and show ------------------------------------------------
+# Tested: the pinned kernels (0.17.2) and the current release, installed into a temporary folder
+# from PyPI (skipped where PyPI is out of reach).
+CURRENT_KERNELS = "0.19.1"
+LOAD = """
+import logging, sys, warnings
+from pathlib import Path
+warnings.simplefilter("error")
+logging.basicConfig(level=logging.WARNING, format="LOGGED %(levelname)s %(name)s: %(message)s")
+import kernels
+for variant in sys.argv[1:]:
+    module = kernels.get_local_kernel(Path(variant))
+    print(kernels.__version__ if hasattr(kernels, "__version__") else "", module.__name__)
+"""
+
+
+@pytest.fixture(scope="session")
+def current_kernels(tmp_path_factory) -> dict:
+    """The environment of a subprocess that imports kernels CURRENT_KERNELS (its own dependencies
+    are this environment's, or installed beside it if they are missing)."""
+    target = tmp_path_factory.mktemp(f"kernels-{CURRENT_KERNELS}")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    for extra in (["--no-deps"], []):
+        install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                  "--target", str(target), *extra, f"kernels=={CURRENT_KERNELS}"],
+                                 capture_output=True, text=True, timeout=300)
+        if install.returncode != 0:
+            pytest.skip(f"kernels {CURRENT_KERNELS} could not be installed from PyPI: {install.stderr[-300:]}")
+        check = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__version__)"],
+                               capture_output=True, text=True, env=env)
+        if check.stdout.strip() == CURRENT_KERNELS:
+            return env
+    pytest.fail(f"kernels {CURRENT_KERNELS} does not import: {check.stderr[-500:]}")
+
+
+def _files_of(variant: Path) -> dict[str, bytes]:
+    return {p.relative_to(variant).as_posix(): p.read_bytes() for p in sorted(variant.rglob("*"))
+            if p.is_file() and p.name != "metadata.json" and "__pycache__" not in p.parts}
+
+
+@pytest.mark.parametrize("backend", list(VARIANTS))
+def test_metadata_records_a_digest_of_every_file_and_the_provenance(backend):
+    """kernels >= 0.19 hashes each file of the variant but metadata.json (SHA-256, base64) and
+    compares with the metadata's digest; ``kernels info`` shows upstream and source."""
+    import base64
+    import hashlib
+
+    data = json.loads((VARIANTS[backend] / "metadata.json").read_text())
+    files = _files_of(VARIANTS[backend])
+    assert "symbols.json" in files and "__init__.py" in files
+    assert data["digest"] == {"algorithm": "sha256", "files": {
+        path: base64.b64encode(hashlib.sha256(content).digest()).decode() for path, content in files.items()}}
+    assert data["upstream"] == data["source"] == "https://huggingface.co/qgallouedec/fused-linear-ce"
+    assert data["provenance"] == {"kernel-builder": {"version": "scripts/build_variants.py"}}
+
+
+def test_symbols_list_the_public_api(flce):
+    """symbols.json (what ``kernels describe-api`` prints) names the public functions of __all__ and
+    the layers with their flags, as the loaded kernel has them."""
+    import inspect
+
+    symbols = json.loads((Path(flce.__file__).parent / "symbols.json").read_text())
+    assert symbols["schema_version"] == 1
+    assert [f["name"] for f in symbols["functions"]] == [
+        name for name in flce.__all__ if inspect.isfunction(getattr(flce, name))]
+    assert "fused_linear_cross_entropy" in [f["name"] for f in symbols["functions"]]
+    layers = [(name, cls) for name, cls in vars(flce.layers).items()
+              if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == flce.layers.__name__]
+    assert symbols["layers"] == [{"name": name, "attributes": {"has_backward": cls.has_backward,
+                                                              "can_torch_compile": cls.can_torch_compile}}
+                                 for name, cls in layers]
+
+
+def _load(env: dict | None, *variants: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LOAD, *map(str, variants)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_loads_without_warnings_under_the_pinned_kernels():
+    run = _load(None, *VARIANTS.values())
+    assert run.returncode == 0 and "LOGGED" not in run.stderr and "arning" not in run.stderr, run.stderr
+    assert run.stdout.count("_fused_linear_ce_") == 2
+
+
+def test_loads_without_warnings_under_the_current_kernels(current_kernels, tmp_path):
+    """Both variants load under kernels CURRENT_KERNELS without a warning (no missing digest); a
+    changed file fails its digest, so the check is real."""
+    run = _load(current_kernels, *VARIANTS.values())
+    assert run.returncode == 0 and "LOGGED" not in run.stderr and "arning" not in run.stderr, run.stderr
+    assert run.stdout.splitlines()[0].startswith(CURRENT_KERNELS)
+    changed = tmp_path / "torch-cpu"
+    subprocess.run(["cp", "-r", str(VARIANTS["cpu"]), str(changed)], check=True)
+    (changed / "layers.py").write_text((changed / "layers.py").read_text() + "# changed\n")
+    run = _load(current_kernels, changed)
+    assert run.returncode != 0 and "File hash mismatch for layers.py" in run.stderr, run.stderr
+
+
+def test_describe_api_and_info_under_the_current_kernels(current_kernels, flce):
+    """``kernels describe-api <checkout>`` lists the public functions and the layer; ``kernels info``
+    shows the upstream and source repositories."""
+    def cli(*args):
+        code = "import sys; from kernels._internals.cli import main; sys.argv = ['kernels', *sys.argv[1:]]; main()"
+        run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                             env=current_kernels, cwd=ROOT, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    described = cli("describe-api", str(ROOT))
+    functions = described.split("Functions:")[1].split("Layers:")[0].split()
+    assert functions == [f["name"] for f in json.loads((VARIANTS["cpu"] / "symbols.json").read_text())["functions"]]
+    assert "ForCausalLMLoss  has_backward=True  can_torch_compile=True" in described
+    info = cli("info", str(ROOT))
+    assert "Upstream: https://huggingface.co/qgallouedec/fused-linear-ce" in info
+    assert "Source: https://huggingface.co/qgallouedec/fused-linear-ce" in info

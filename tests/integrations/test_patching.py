@@ -6,6 +6,7 @@ import copy
 import inspect
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -180,3 +181,45 @@ def test_fused_only_arguments_take_the_fused_path_in_eval(flce):
         model(**batch, return_metrics=True, fused_loss=False)
     with pytest.raises(ValueError, match="fused_forward computes the loss and no logits: it needs labels"):
         model(input_ids=batch["input_ids"], return_metrics=True)
+
+
+# ---- what a patched forward says and prints -----------------------------------------------------
+def test_a_label_shape_error_names_the_shapes_passed(flce):
+    """Labels of another sequence length: the error gives the shapes passed, not flattened counts."""
+    model = flce.patch_forward(tiny_causal_lm("llama"))
+    batch = tiny_batch(model, seq=16)
+    with pytest.raises(ValueError, match=r"^labels of shape \(2, 15\) do not match hidden_states of shape "
+                                         r"\(2, 16, 32\): one label per position of its leading shape \(2, 16\)$"):
+        model(**{**batch, "labels": batch["labels"][:, :15]})
+    with pytest.raises(ValueError, match=r"^shift_labels of shape \(2, 14\) do not match hidden_states"):
+        model(**{**batch, "labels": None, "shift_labels": batch["labels"][:, :14]})
+
+
+class _OutputWarningOnRenamedFields(transformers.modeling_outputs.BaseModelOutputWithPast):
+    """A backbone output as transformers 5.25 makes Mamba's: its attributes for the renamed cache field
+    warn that the old name is deprecated."""
+
+    def __getattribute__(self, name):
+        if name in ("past_key_values", "cache_params"):
+            warnings.warn(f"`{name}` is deprecated", FutureWarning, stacklevel=2)
+        return super().__getattribute__(name)
+
+
+def test_the_patched_forward_reads_no_deprecated_output_field(flce, monkeypatch):
+    """fused_forward reads the backbone's output as a mapping: no attribute of a renamed field, whose
+    property warns (under warnings as errors here)."""
+    model = flce.patch_forward(tiny_causal_lm("llama"))
+    batch = tiny_batch(model)
+    backbone_forward = model.model.forward
+
+    def forward(*args, **kwargs):
+        return _OutputWarningOnRenamedFields(**backbone_forward(*args, **kwargs))
+
+    monkeypatch.setattr(model.model, "forward", forward)
+    with pytest.warns(FutureWarning, match="deprecated"):  # the stand-in warns on an attribute read
+        _ = _OutputWarningOnRenamedFields(last_hidden_state=torch.zeros(1)).past_key_values
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(**batch)
+    expected = model(**batch, fused_loss=False).loss
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=0)  # fp32: reassociated sums

@@ -48,6 +48,10 @@ def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)):
+        if value is not None and value.is_meta:  # a model built under torch.device("meta"), not yet loaded
+            raise ValueError(f"{name} is a meta tensor, which holds no data: materialise it (load the weights, or "
+                             f"to_empty() and initialise) before computing a loss")
     for name, value in (("weight", weight), ("targets", targets), ("bias", bias)):
         if value is not None and value.device != hidden.device:
             raise ValueError(f"{name} is on {value.device} but hidden is on {hidden.device}")

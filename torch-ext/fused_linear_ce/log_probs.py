@@ -24,6 +24,7 @@ the loss divides by that count (TRL's SFT head); the forward computes them as lo
 backward of the same outputs found the weights equal.
 """
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -59,12 +60,13 @@ class TokenOutputs(NamedTuple):
 
 
 def _checked_outputs(outputs) -> tuple[str, ...]:
-    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+    names = tuple(outputs) if isinstance(outputs, Iterable) and not isinstance(outputs, str) else None
+    if names is None or not all(isinstance(name, str) for name in names):
         raise TypeError(f"outputs must be a tuple of names among {TOKEN_OUTPUTS}, got {outputs!r}")
-    unknown = sorted(set(outputs) - set(TOKEN_OUTPUTS))
+    unknown = sorted(set(names) - set(TOKEN_OUTPUTS))
     if unknown:
         raise ValueError(f"unknown outputs {unknown}: choose among {TOKEN_OUTPUTS}")
-    return tuple(outputs)
+    return names
 
 
 def _speculation_allowed(hidden: Tensor) -> bool:
