@@ -219,3 +219,200 @@ def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
     values = {name: value.reshape(ids.shape[:-1]) for name, value in per_row.items() if name in outputs}
     values["log_probs"] = log_probs.reshape(ids.shape)
     return TokenOutputs(**{name: values.get(name) for name in TOKEN_OUTPUTS})
+
+
+# ---- the top-k distillation losses (TRL 1.16's ServerDistillationTrainer) -------------------
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _tail_bucket(log_probs: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
+    """TRL's ``_add_tail_bucket``: one more element, log(1 - sum_k exp(log_probs_k)), the sum
+    held below 1 (its log at most -1e-7), which is always in the support."""
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([support, torch.ones_like(support[..., :1])], dim=-1)
+
+
+def _sparse_distributions(student: Tensor, teacher: Tensor, support: Tensor, add_tail: bool):
+    """The student's and the teacher's log-probs on the support (-inf off it), with the tail
+    bucket, or renormalised over the support without it; and the support with the tail."""
+    neg_inf = torch.full((), float("-inf"), dtype=student.dtype, device=student.device)
+    student, teacher = torch.where(support, student, neg_inf), torch.where(support, teacher, neg_inf)
+    if add_tail:
+        (student, full_support), (teacher, _) = _tail_bucket(student, support), _tail_bucket(teacher, support)
+        return student, teacher, full_support
+    student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+    teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return student, teacher, support
+
+
+def _divergence_on_support(student: Tensor, teacher: Tensor, beta: float, support: Tensor) -> Tensor:
+    """TRL's ``_jsd_divergence`` with a support mask, per element: beta = 0 the forward KL
+    terms p_t (log p_t - log p_s), beta = 1 the reverse p_s (log p_s - log p_t), in between the
+    generalised JSD against the mixture m = beta p_t + (1 - beta) p_s; 0 off the support."""
+    zero = torch.zeros((), dtype=student.dtype, device=student.device)
+    safe_student, safe_teacher = torch.where(support, student, zero), torch.where(support, teacher, zero)
+    student_probs = torch.where(support, student.exp(), zero)
+    teacher_probs = torch.where(support, teacher.exp(), zero)
+    if beta == 0:
+        return torch.nan_to_num(teacher_probs * (safe_teacher - safe_student), nan=0.0)
+    if beta == 1:
+        return torch.nan_to_num(student_probs * (safe_student - safe_teacher), nan=0.0)
+    mixture = (1 - beta) * student_probs + beta * teacher_probs
+    safe_mixture = torch.where(support, torch.log(mixture.clamp_min(torch.finfo(mixture.dtype).tiny)), zero)
+    kl_teacher = torch.nan_to_num(teacher_probs * (safe_teacher - safe_mixture), nan=0.0)
+    kl_student = torch.nan_to_num(student_probs * (safe_student - safe_mixture), nan=0.0)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
+def _reduced(per_row: Tensor, rows: Tensor, reduction: str) -> Tensor:
+    """TRL's ``_reduce_divergence_loss`` over the rows that take part (``rows``): "mean" is its
+    batchmean, the sum over them divided by their count (at least 1)."""
+    per_row = torch.where(rows, per_row, 0.0)
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    return total / rows.sum().clamp_min(1) if reduction == "mean" else total
+
+
+def _check_teacher(name: str, teacher: Tensor, ids: Tensor) -> None:
+    if not isinstance(teacher, Tensor) or not teacher.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {type(teacher).__name__}")
+    if teacher.shape != ids.shape or teacher.device != ids.device:
+        raise ValueError(f"{name} must have shape {tuple(ids.shape)} on {ids.device}, got {tuple(teacher.shape)} "
+                         f"on {teacher.device}")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def fused_linear_sparse_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_log_probs: Tensor,
+    bias: Tensor | None = None,
+    *,
+    add_tail: bool = True,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """Forward KL(teacher || student) on the teacher's top-k ids, without the student's logits.
+
+    TRL 1.16's ``ServerDistillationTrainer._compute_server_forward_kl_loss`` (beta = 0). On row
+    n the support is its ids k with ``teacher_ids[n, k] != ignore_index`` and a teacher log-prob
+    above -inf; s_k = log_softmax(z_n)[t_nk] (z the student's logits, as in
+    ``fused_linear_log_probs``) and t_k the teacher's. With ``add_tail`` both get one more element,
+    the mass outside the support, log(1 - sum_k exp(.)) (the sum held at most exp(-1e-7)); without
+    it both are renormalised over the support, s_k - logsumexp(s) (then a top-1 support gives 0).
+    The row's divergence is sum_k exp(t_k) (t_k - s_k) over those elements.
+
+    Normalisation: a row takes part when any of its ids is not ``ignore_index``; "mean" is the sum
+    of the rows' divergences divided by the number of rows that take part (at least 1: 0, not
+    NaN, without any), TRL's batchmean over the completion tokens; "sum" the sum; "none" per row
+    (the ids' leading shape, 0 on rows that do not take part).
+
+    Args:
+        hidden: (..., H); weight (V, H) and bias (V,) or None in its dtype (as the loss).
+        teacher_ids: (..., K) int64 (or int32) token ids, ``ignore_index`` where absent.
+        teacher_log_probs: (..., K) float, the teacher's log-probs of those ids (at the same
+            temperature); -inf where absent.
+        add_tail, temperature, logit_scale, softcap, ignore_index, reduction: as above and as in
+            ``fused_linear_log_probs``.
+
+    Returns:
+        The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias
+        (none to the teacher's log-probs, which are data).
+    """
+    _check_reduction(reduction)
+    if not isinstance(teacher_ids, Tensor) or not isinstance(hidden, Tensor) or teacher_ids.dim() != hidden.dim():
+        raise ValueError("teacher_ids must be a tensor of shape (..., K), hidden (..., H)")
+    _check_teacher("teacher_log_probs", teacher_log_probs, teacher_ids)
+    ignore_index = _checked_ignore_index(ignore_index)
+    student = sparse_token_outputs(hidden, weight, teacher_ids, bias, temperature=temperature,
+                                   logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index).log_probs
+    present = teacher_ids != ignore_index
+    teacher = teacher_log_probs.detach().to(student.dtype)
+    support = present & (teacher > float("-inf"))
+    student, teacher, support = _sparse_distributions(student, teacher, support, add_tail)
+    per_row = _divergence_on_support(student, teacher, 0.0, support).sum(-1)
+    return _reduced(per_row, present.any(-1), reduction)
+
+
+def fused_linear_top1_divergence(
+    hidden: Tensor,
+    weight: Tensor,
+    token_ids: Tensor,
+    teacher_token_log_probs: Tensor,
+    bias: Tensor | None = None,
+    *,
+    beta: float = 1.0,
+    teacher_top1_ids: Tensor | None = None,
+    teacher_top1_log_probs: Tensor | None = None,
+    add_tail: bool = True,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """The top-1 divergence of TRL 1.16's ``ServerDistillationTrainer`` (beta > 0), without the
+    student's logits: the reverse KL(student || teacher) at beta = 1 (TRL's default).
+
+    ``_compute_sparse_top_1_divergence_loss`` in "sampled" mode: at beta = 1 row n's support is
+    its sampled token x_n, with the student's log-prob s = log_softmax(z_n)[x_n] and the
+    teacher's ``teacher_token_log_probs[n]``; otherwise it is the teacher's top-1 id and x_n (x_n
+    left out where it is the top-1), with their teacher log-probs. With ``add_tail`` (TRL's
+    default) both distributions get the tail bucket log(1 - sum exp(.)) (at beta = 1: the
+    Bernoulli of x_n against the rest); without it both are renormalised over the support (then a
+    one-element support gives 0). The row's divergence is TRL's ``_jsd_divergence`` summed over
+    those elements: sum p_s (log p_s - log p_t) at beta = 1, the generalised JSD with the mixture
+    beta p_t + (1 - beta) p_s otherwise.
+
+    Normalisation: a row takes part when ``token_ids[n] != ignore_index``; "mean" divides the sum
+    of their divergences by their count (at least 1), TRL's batchmean; "sum"; "none" per row.
+
+    Args:
+        hidden: (..., H); weight (V, H) and bias (V,) or None in its dtype (as the loss).
+        token_ids: hidden's leading shape (...,), int64 (or int32), the sampled tokens.
+        teacher_token_log_probs: (...,) float, the teacher's log-probs of those tokens, finite on
+            the rows that take part.
+        beta: in (0, 1]; below 1 ``teacher_top1_ids`` and ``teacher_top1_log_probs`` (...,) are
+            needed.
+        add_tail, temperature, logit_scale, softcap, ignore_index, reduction: as above and as in
+            ``fused_linear_log_probs``.
+
+    Returns:
+        The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias.
+    """
+    _check_reduction(reduction)
+    if not (isinstance(beta, (int, float)) and 0 < beta <= 1):
+        raise ValueError(f"beta must be in (0, 1], got {beta!r}")
+    if not isinstance(token_ids, Tensor):
+        raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
+    _check_teacher("teacher_token_log_probs", teacher_token_log_probs, token_ids)
+    ignore_index = _checked_ignore_index(ignore_index)
+    rows = token_ids != ignore_index
+    if beta == 1:
+        ids, support = token_ids[..., None], rows[..., None]
+        teacher = teacher_token_log_probs[..., None]
+    else:
+        if teacher_top1_ids is None or teacher_top1_log_probs is None:
+            raise ValueError("beta < 1 needs teacher_top1_ids and teacher_top1_log_probs")
+        _check_teacher("teacher_top1_log_probs", teacher_top1_log_probs, token_ids)
+        top1_ids = torch.where(rows, teacher_top1_ids, ignore_index)
+        support = torch.stack([rows, rows & (token_ids != top1_ids)], dim=-1)
+        ids = torch.where(support, torch.stack([top1_ids, token_ids], dim=-1), ignore_index)
+        teacher = torch.stack([teacher_top1_log_probs, teacher_token_log_probs], dim=-1)
+    student = sparse_token_outputs(hidden, weight, ids, bias, temperature=temperature, logit_scale=logit_scale,
+                                   softcap=softcap, ignore_index=ignore_index).log_probs
+    # (TRL sets the teacher's log-probs of the rows without a token to 0, so that no inf reaches the backward)
+    teacher = torch.where(rows[..., None], teacher.detach().to(student.dtype), 0.0)
+    student, teacher, support = _sparse_distributions(student, teacher, support, add_tail)
+    per_row = _divergence_on_support(student, teacher, float(beta), support).sum(-1)
+    return _reduced(per_row, rows, reduction)
