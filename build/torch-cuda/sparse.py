@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._chunked import backend_for
 from ._dtensor import has_dtensor
-from ._ops import _token_backward_grads, _token_forward, _traced, token_backward_op, token_forward_op
+from ._ops import DOUBLE_BACKWARD_ERROR, NAMESPACE, _no_autocast, _token_backward_grads, _token_forward, _traced
 from ._options import LossOptions, accumulation_dtype
 from .interface import (
     _autocast,
@@ -118,57 +118,140 @@ def _add_sparse_terms(grads: list, hidden: Tensor, weight: Tensor, ids: Tensor, 
     grad_weight[touched] = (grad_weight[touched].to(sums.dtype) + sums).to(grad_weight.dtype)
 
 
-class _SparseTokenOutputs(torch.autograd.Function):
-    """(log_probs [N, K], entropy, mean_logits, log_sum_sq_probs [N]) of ``ids`` [N, K]; the two
-    sums without gradient. A row takes part if any of its ids is not ``ignore_index``."""
+# ---- the operators: opaque to torch.compile, as the package's others (_ops.py) -------------
+_NUM_OPTIONS = LossOptions.num_op_args()
+_FLAGS = "str outputs, bool metrics, bool logit_sum, bool sum_sq"
+_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}, {_FLAGS}) "
+                   f"-> ({', '.join(['Tensor'] * 6)})")
+_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor lse, Tensor entropy, "
+                    f"Tensor logits, Tensor log_prob_grad, Tensor? entropy_grad, {LossOptions.op_schema()}, "
+                    "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, opts: LossOptions, key: str, metrics: bool, logit_sum: bool,
-                sum_sq: bool):
-        valid = ids != opts.ignore_index
-        first = valid.to(torch.int8).argmax(-1, keepdim=True)  # the row's first id, its target in the sweep
-        row_ids = ids.gather(-1, first).squeeze(-1)  # ignore_index where the row has none
-        lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_ = _traced(token_forward_op, _token_forward,
-                                                                           hidden)(
-            hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False)
-        columns = torch.where(valid, ids, 0)
-        logits = _picked_logits(hidden, weight, bias, columns, opts)
-        log_probs = torch.where(valid, logits - lse[:, None], 0.0)
-        log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
-        ctx.mark_non_differentiable(mean_logits, log_sum_sq)
-        ctx.set_materialize_grads(False)
-        ctx.opts, ctx.has_bias, ctx.metrics = opts, bias is not None, metrics
-        ctx.save_for_backward(hidden, weight, None if bias is None else bias.detach().clone(), ids, row_ids, first,
-                              lse, entropy, logits)
-        return log_probs, entropy, mean_logits, log_sum_sq
 
-    @staticmethod
-    def backward(ctx, log_prob_grad, entropy_grad, *unused):
-        hidden, weight, bias, ids, row_ids, first, lse, entropy, logits = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        want = (needs[0], needs[1], ctx.has_bias and needs[2])
-        if (log_prob_grad is None and entropy_grad is None) or not any(want):
-            return (None,) * 9
-        opts = ctx.opts
-        valid = ids != opts.ignore_index
-        g = (torch.zeros_like(logits) if log_prob_grad is None
-             else torch.where(valid, log_prob_grad.to(logits.dtype), 0.0))
-        first_grad = g.gather(-1, first).squeeze(-1)
-        rest = g.scatter(-1, first, 0.0)  # the other ids' terms, added sparsely below
-        loss_grad = -first_grad  # the sweep's target: d out / d (lse - z_t) = -d out / d log_probs
-        lse_grad = -rest.sum(-1) if ids.shape[1] > 1 else None
-        row_entropy_grad = None
-        if entropy_grad is not None:
-            row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
-            entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
-            lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
-        grads = _traced(token_backward_op, _token_backward_grads, hidden)(
-            hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, row_entropy_grad, *opts.op_args(),
-            *want)
-        grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
-        if ids.shape[1] > 1:
+def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(column [N, 1] of each row's first id that is not ``ignore_index``, 0 where none; that id
+    [N], ``ignore_index`` where none): the row's target in the sweep."""
+    first = (ids != ignore_index).to(torch.int8).argmax(-1, keepdim=True)
+    return first, ids.gather(-1, first).squeeze(-1)
+
+
+def _sparse_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> tuple[Tensor, ...]:
+    """(log_probs [N, K], lse, entropy, mean_logits, log_sum_sq_probs [N], logits [N, K]) of ``ids``
+    [N, K] under the options in ``args`` (flat ``LossOptions``, then the outputs' names and which
+    statistics the sweep keeps, as ``_ops._token_forward``); statistics not asked for are empty.
+    One sweep against each row's first id gives lse (and the row's statistics); the K final
+    logits come from dot products (``_picked_logits``)."""
+    opts = LossOptions.from_op_args(args)
+    key, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    first, row_ids = _first_ids(ids, opts.ignore_index)
+    lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_ = _token_forward(
+        hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False)
+    valid = ids != opts.ignore_index
+    with _no_autocast(hidden):  # the inputs are cast already; the products keep their dtype
+        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
+    log_probs = torch.where(valid, logits - lse[:, None], 0.0)
+    log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
+    return log_probs, lse, entropy, mean_logits, log_sum_sq, logits
+
+
+sparse_forward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_forward", _sparse_forward, mutates_args=(),
+                                            schema=_FORWARD_SCHEMA)
+
+
+@sparse_forward_op.register_fake
+def _(hidden, weight, ids, bias, *args):
+    _, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+    n_rows = hidden.shape[0]
+
+    def per_row(wanted):
+        return torch.empty((n_rows,) if wanted else (0,), **acc)
+
+    return (torch.empty(ids.shape, **acc), per_row(True), per_row(metrics), per_row(logit_sum), per_row(sum_sq),
+            torch.empty(ids.shape, **acc))
+
+
+def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, lse: Tensor,
+                           entropy: Tensor, logits: Tensor, log_prob_grad: Tensor, entropy_grad: Tensor | None,
+                           *args) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias), empty where not asked for, for d out / d log_probs
+    [N, K] and d out / d entropy [N] (or None): the row's first id through the per-token
+    backward as its target, with d out / d lse = -(the other ids' sum), then the other ids'
+    sparse terms (``_add_sparse_terms``)."""
+    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    first, row_ids = _first_ids(ids, opts.ignore_index)
+    valid = ids != opts.ignore_index
+    g = torch.where(valid, log_prob_grad.to(logits.dtype), 0.0)
+    rest = g.scatter(-1, first, 0.0)
+    loss_grad = -g.gather(-1, first).squeeze(-1)  # of the sweep's loss lse - z_t: -d out / d log_probs
+    lse_grad = -rest.sum(-1) if ids.shape[1] > 1 else None
+    row_entropy_grad = None
+    if entropy_grad is not None:
+        row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
+        entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
+        lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
+    grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
+                                  row_entropy_grad, *opts.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    if ids.shape[1] > 1:
+        with _no_autocast(hidden):
             _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), rest * _logit_chain(logits, opts))
-        return grads[0], grads[1], grads[2], *([None] * 6)
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+sparse_backward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_backward", _sparse_backward_grads,
+                                             mutates_args=(), schema=_BACKWARD_SCHEMA)
+
+
+@sparse_backward_op.register_fake
+def _(hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad, entropy_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+            hidden.new_empty(weight.shape if grad_weight else (0,)),
+            hidden.new_empty(bias.shape if grad_bias else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, ids, bias, *args = inputs
+    log_probs, lse, entropy, mean_logits, log_sum_sq, logits = output
+    ctx.mark_non_differentiable(lse, mean_logits, log_sum_sq, logits)
+    ctx.set_materialize_grads(False)
+    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    # the bias as the forward saw it (F.linear does not save its bias; see _ops._setup_context)
+    ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), lse, entropy, logits)
+
+
+def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
+    num_inputs = 4 + _NUM_OPTIONS + 4
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[3])
+    if (log_prob_grad is None and entropy_grad is None) or not any(want):
+        return (None,) * num_inputs
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    hidden, weight, ids, bias, lse, entropy, logits = ctx.saved_tensors
+    if log_prob_grad is None:
+        log_prob_grad = torch.zeros_like(logits)
+    grads = _traced(sparse_backward_op, _sparse_backward_grads, hidden)(
+        hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad,
+        *ctx.options.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    return grads[0], grads[1], None, grads[2], *([None] * (num_inputs - 4))
+
+
+sparse_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSparseForward(torch.autograd.Function):
+    """``sparse_forward_op`` in eager mode, without the operator's dispatch (as ``_ops._EagerTokenForward``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _sparse_forward(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    backward = staticmethod(_backward)
 
 
 def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None, *,
@@ -210,9 +293,10 @@ def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
     # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
     opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
                        softcap=None if softcap is None else softcap / temperature)
-    log_probs, entropy, mean_logits, log_sum_sq = _SparseTokenOutputs.apply(
-        hidden_2d, weight, None if bias is None else bias.contiguous(), ids_2d, opts, key, "entropy" in outputs,
-        "mean_logits" in outputs, "log_sum_sq_probs" in outputs)
+    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _traced(sparse_forward_op, _EagerSparseForward.apply,
+                                                                hidden_2d)(
+        hidden_2d, weight, ids_2d, None if bias is None else bias.contiguous(), *opts.op_args(), key,
+        "entropy" in outputs, "mean_logits" in outputs, "log_sum_sq_probs" in outputs)
     if target_check is not None:
         _finish_target_check(target_check, ids_2d.reshape(-1), vocab_size, ignore_index)
     per_row = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits)

@@ -137,3 +137,32 @@ def test_refused(flce):
         flce.fused_linear_log_probs(hidden, weight, ids[:3])
     with pytest.raises(ValueError, match="targets must be in"):
         flce.fused_linear_log_probs(hidden, weight, torch.where(ids == IGNORE, 0, ids + 29))
+
+
+def test_compiled_sparse_kl_matches_eager(flce, path):
+    """torch.compile(fullgraph=True) through the (N, K) log-probs and the sparse KL: one graph
+    (the custom operators' fake implementations and autograd), the same loss and gradients. On
+    the CPU through dynamo and AOTAutograd ("aot_eager"), Inductor on CUDA."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    hidden, weight, ids, bias = make_sparse_inputs(12, 16, 37, 4, torch.float32, seed=13, device=path.device,
+                                                   bias=True)
+    teacher = torch.log_softmax(torch.randn(12, 37, generator=torch.Generator().manual_seed(14)), -1)
+    teacher = teacher.to(path.device).gather(-1, torch.where(ids == IGNORE, 0, ids))
+
+    def loss(h, w, b):
+        return flce.fused_linear_sparse_kl(h, w, ids, teacher, b, temperature=0.8, softcap=3.0)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor" if DEVICE == "cuda" else "aot_eager")
+    results = []
+    for fn in (torch.compile(loss, fullgraph=True, backend=counter), loss):
+        for t in (hidden, weight, bias):
+            t.grad = None
+        value = fn(hidden, weight, bias)
+        value.backward()
+        results.append([value.detach(), hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()])
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
