@@ -16,7 +16,9 @@ term adds g_nk c_nk weight[t_nk] to grad_hidden[n] and g_nk c_nk hidden_n to gra
 row's first id goes through the per-token backward as its target, so K = 1 is that backward.
 
 The losses follow TRL 1.16's ``ServerDistillationTrainer`` (``_compute_server_forward_kl_loss``,
-``_add_tail_bucket``, ``_compute_sparse_top_1_divergence_loss``) on these log-probs.
+``_add_tail_bucket``, ``_compute_sparse_top_1_divergence_loss``) on these log-probs. Without the
+tail bucket they renormalise the log-probs over the ids, s_k - logsumexp_j s_j, in which lse_n
+cancels: they then take the K logits alone (``picked_forward_op``), with no vocabulary sweep.
 """
 
 import torch
@@ -254,19 +256,96 @@ class _EagerSparseForward(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
-def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None, *,
-                         temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
-                         ignore_index: int = -100, outputs: tuple[str, ...] = ("log_probs",)) -> TokenOutputs:
-    """``fused_linear_log_probs`` for ``ids`` of shape (..., K), hidden (..., H): K ids a row.
+# ---- the K logits alone: what the losses renormalised over the ids need (no lse) ----------
+_PICKED_SCHEMA = f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}) -> Tensor"
+_PICKED_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor logits, Tensor logit_grad, "
+                           f"{LossOptions.op_schema()}, bool grad_hidden, bool grad_weight, bool grad_bias) "
+                           "-> (Tensor, Tensor, Tensor)")
 
-    Returns a ``TokenOutputs`` whose ``log_probs`` has the ids' shape (..., K), 0 at ids equal to
-    ``ignore_index``; ``entropy``, ``log_sum_sq_probs`` and ``mean_logits`` are per row (...,),
-    0 on rows whose ids are all ``ignore_index``. ``log_probs`` and ``entropy`` take gradients,
-    recomputed in the backward (one sweep of the vocabulary and K dot products a row, forward and
-    backward alike). ``is_top1`` is refused (see the error). The logits and arguments are
-    ``fused_linear_log_probs``'s.
-    """
-    outputs = _checked_sparse_outputs(outputs)
+
+def _picked_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> Tensor:
+    """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs), 0 where ignored."""
+    opts = LossOptions.from_op_args(args)
+    valid = ids != opts.ignore_index
+    with _no_autocast(hidden):
+        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
+    return torch.where(valid, logits, 0.0)
+
+
+picked_forward_op = torch.library.custom_op(f"{NAMESPACE}::picked_logits", _picked_forward, mutates_args=(),
+                                            schema=_PICKED_SCHEMA)
+
+
+@picked_forward_op.register_fake
+def _(hidden, weight, ids, bias, *args):
+    return torch.empty(ids.shape, device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+
+
+def _picked_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, logits: Tensor,
+                           logit_grad: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) of the picked logits for d out / d logits [N, K]:
+    the sparse terms alone (``_add_sparse_terms``), empty where not asked for."""
+    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    valid = ids != opts.ignore_index
+    coef = torch.where(valid, logit_grad.to(logits.dtype), 0.0) * _logit_chain(logits, opts)
+    grads = [torch.zeros_like(t) if w else None for t, w in zip((hidden, weight, bias), want, strict=True)]
+    with _no_autocast(hidden):
+        _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), coef)
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+picked_backward_op = torch.library.custom_op(f"{NAMESPACE}::picked_logits_backward", _picked_backward_grads,
+                                             mutates_args=(), schema=_PICKED_BACKWARD_SCHEMA)
+
+
+@picked_backward_op.register_fake
+def _(hidden, weight, ids, bias, logits, logit_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+            hidden.new_empty(weight.shape if grad_weight else (0,)),
+            hidden.new_empty(bias.shape if grad_bias else (0,)))
+
+
+def _picked_setup_context(ctx, inputs, output):
+    hidden, weight, ids, bias, *args = inputs
+    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), output)
+
+
+def _picked_backward(ctx, logit_grad):
+    num_inputs = 4 + _NUM_OPTIONS
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[3])
+    if logit_grad is None or not any(want):
+        return (None,) * num_inputs
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    hidden, weight, ids, bias, logits = ctx.saved_tensors
+    grads = _traced(picked_backward_op, _picked_backward_grads, hidden)(
+        hidden, weight, ids, bias, logits, logit_grad.contiguous(), *ctx.options.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    return grads[0], grads[1], None, grads[2], *([None] * _NUM_OPTIONS)
+
+
+picked_forward_op.register_autograd(_picked_backward, setup_context=_picked_setup_context)
+
+
+class _EagerPickedLogits(torch.autograd.Function):
+    """``picked_forward_op`` in eager mode, without the operator's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _picked_forward(*args)
+        _picked_setup_context(ctx, args, output)
+        return output
+
+    backward = staticmethod(_picked_backward)
+
+
+# ---- the public entry points ----------------------------------------------------------------
+def _checked_sparse_inputs(hidden, weight, ids, bias, temperature, logit_scale, softcap, ignore_index):
+    """The checks and casts of ``fused_linear_log_probs`` for (..., K) ids: (hidden [N, H], weight,
+    ids [N, K] int64, bias or None, LossOptions with the temperature folded in)."""
     if has_dtensor(hidden, weight, ids, bias):
         raise TypeError("fused_linear_log_probs takes plain tensors: gather DTensor inputs first (full_tensor())")
     if _under_functorch():
@@ -283,26 +362,61 @@ def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
     if not (isinstance(temperature, float) and temperature > 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     ignore_index = _checked_ignore_index(ignore_index)
-    vocab_size, hidden_size = weight.shape
-    hidden_2d = hidden.reshape(-1, hidden_size)
-    ids_2d = ids.reshape(-1, ids.shape[-1]).long().contiguous()
-    key = ",".join(sorted(set(outputs) | {"log_probs"}))
-    backend_for(hidden.device).precompile("tokens:" + key, hidden.device)
-    target_check = (_start_target_check(ids_2d.reshape(-1), vocab_size, ignore_index) if _targets_checked(ids)
-                    else None)
     # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
     opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
                        softcap=None if softcap is None else softcap / temperature)
-    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _traced(sparse_forward_op, _EagerSparseForward.apply,
-                                                                hidden_2d)(
-        hidden_2d, weight, ids_2d, None if bias is None else bias.contiguous(), *opts.op_args(), key,
-        "entropy" in outputs, "mean_logits" in outputs, "log_sum_sq_probs" in outputs)
-    if target_check is not None:
-        _finish_target_check(target_check, ids_2d.reshape(-1), vocab_size, ignore_index)
+    ids_2d = ids.reshape(-1, ids.shape[-1]).long().contiguous()
+    return hidden.reshape(-1, weight.shape[1]), weight, ids_2d, None if bias is None else bias.contiguous(), opts
+
+
+def _checked_ids(ids: Tensor, vocab_size: int, opts: LossOptions, run):
+    """``run()``, with the ids' range check queued before it and read after it (as the loss's)."""
+    check = _start_target_check(ids.reshape(-1), vocab_size, opts.ignore_index) if _targets_checked(ids) else None
+    result = run()
+    if check is not None:
+        _finish_target_check(check, ids.reshape(-1), vocab_size, opts.ignore_index)
+    return result
+
+
+def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None, *,
+                         temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
+                         ignore_index: int = -100, outputs: tuple[str, ...] = ("log_probs",)) -> TokenOutputs:
+    """``fused_linear_log_probs`` for ``ids`` of shape (..., K), hidden (..., H): K ids a row.
+
+    Returns a ``TokenOutputs`` whose ``log_probs`` has the ids' shape (..., K), 0 at ids equal to
+    ``ignore_index``; ``entropy``, ``log_sum_sq_probs`` and ``mean_logits`` are per row (...,),
+    0 on rows whose ids are all ``ignore_index``. ``log_probs`` and ``entropy`` take gradients,
+    recomputed in the backward (one sweep of the vocabulary and K dot products a row, forward and
+    backward alike). ``is_top1`` is refused (see the error). The logits and arguments are
+    ``fused_linear_log_probs``'s.
+    """
+    outputs = _checked_sparse_outputs(outputs)
+    hidden_2d, weight, ids_2d, bias, opts = _checked_sparse_inputs(hidden, weight, ids, bias, temperature,
+                                                                   logit_scale, softcap, ignore_index)
+    key = ",".join(sorted(set(outputs) | {"log_probs"}))
+    backend_for(hidden_2d.device).precompile("tokens:" + key, hidden_2d.device)
+    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
+        sparse_forward_op, _EagerSparseForward.apply, hidden_2d)(
+        hidden_2d, weight, ids_2d, bias, *opts.op_args(), key, "entropy" in outputs, "mean_logits" in outputs,
+        "log_sum_sq_probs" in outputs))
     per_row = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits)
     values = {name: value.reshape(ids.shape[:-1]) for name, value in per_row.items() if name in outputs}
     values["log_probs"] = log_probs.reshape(ids.shape)
     return TokenOutputs(**{name: values.get(name) for name in TOKEN_OUTPUTS})
+
+
+def _support_scores(hidden, weight, ids, bias, add_tail: bool, **options) -> Tensor:
+    """The student's scores of ``ids`` (..., K) for a loss on them: its log-probs where the tail
+    bucket needs them, else its logits alone, which renormalise to the same log-probs over the
+    ids (the lse cancels): no vocabulary sweep then, K dot products a row."""
+    if add_tail:
+        return sparse_token_outputs(hidden, weight, ids, bias, **options).log_probs
+    hidden_2d, weight, ids_2d, bias, opts = _checked_sparse_inputs(
+        hidden, weight, ids, bias, options["temperature"], options["logit_scale"], options["softcap"],
+        options["ignore_index"])
+    logits = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
+        picked_forward_op, _EagerPickedLogits.apply, hidden_2d)(hidden_2d, weight, ids_2d, bias, *opts.op_args()))
+    return logits.reshape(ids.shape)
 
 
 # ---- the top-k distillation losses (TRL 1.16's ServerDistillationTrainer) -------------------
@@ -393,7 +507,8 @@ def fused_linear_sparse_kl(
     above -inf; s_k = log_softmax(z_n)[t_nk] (z the student's logits, as in
     ``fused_linear_log_probs``) and t_k the teacher's. With ``add_tail`` both get one more element,
     the mass outside the support, log(1 - sum_k exp(.)) (the sum held at most exp(-1e-7)); without
-    it both are renormalised over the support, s_k - logsumexp(s) (then a top-1 support gives 0).
+    it both are renormalised over the support, s_k - logsumexp(s) (then a top-1 support gives 0),
+    which depends on the K logits alone: no sweep of the vocabulary then, forward or backward.
     The row's divergence is sum_k exp(t_k) (t_k - s_k) over those elements.
 
     Normalisation: a row takes part when any of its ids is not ``ignore_index``; "mean" is the sum
@@ -418,8 +533,8 @@ def fused_linear_sparse_kl(
         raise ValueError("teacher_ids must be a tensor of shape (..., K), hidden (..., H)")
     _check_teacher("teacher_log_probs", teacher_log_probs, teacher_ids)
     ignore_index = _checked_ignore_index(ignore_index)
-    student = sparse_token_outputs(hidden, weight, teacher_ids, bias, temperature=temperature,
-                                   logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index).log_probs
+    student = _support_scores(hidden, weight, teacher_ids, bias, add_tail, temperature=temperature,
+                              logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
     present = teacher_ids != ignore_index
     teacher = teacher_log_probs.detach().to(student.dtype)
     support = present & (teacher > float("-inf"))
@@ -454,7 +569,7 @@ def fused_linear_top1_divergence(
     left out where it is the top-1), with their teacher log-probs. With ``add_tail`` (TRL's
     default) both distributions get the tail bucket log(1 - sum exp(.)) (at beta = 1: the
     Bernoulli of x_n against the rest); without it both are renormalised over the support (then a
-    one-element support gives 0). The row's divergence is TRL's ``_jsd_divergence`` summed over
+    one-element support gives 0; no sweep of the vocabulary is needed). The row's divergence is TRL's ``_jsd_divergence`` summed over
     those elements: sum p_s (log p_s - log p_t) at beta = 1, the generalised JSD with the mixture
     beta p_t + (1 - beta) p_s otherwise.
 
@@ -493,8 +608,8 @@ def fused_linear_top1_divergence(
         support = torch.stack([rows, rows & (token_ids != top1_ids)], dim=-1)
         ids = torch.where(support, torch.stack([top1_ids, token_ids], dim=-1), ignore_index)
         teacher = torch.stack([teacher_top1_log_probs, teacher_token_log_probs], dim=-1)
-    student = sparse_token_outputs(hidden, weight, ids, bias, temperature=temperature, logit_scale=logit_scale,
-                                   softcap=softcap, ignore_index=ignore_index).log_probs
+    student = _support_scores(hidden, weight, ids, bias, add_tail, temperature=temperature, logit_scale=logit_scale,
+                              softcap=softcap, ignore_index=ignore_index)
     # (TRL sets the teacher's log-probs of the rows without a token to 0, so that no inf reaches the backward)
     teacher = torch.where(rows[..., None], teacher.detach().to(student.dtype), 0.0)
     student, teacher, support = _sparse_distributions(student, teacher, support, add_tail)

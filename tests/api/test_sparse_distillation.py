@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, assert_rel, tolerance
+from conftest import DEVICE, DTYPES, assert_rel, submodule, tolerance
 
 IGNORE = -100
 B, T, H, V = 3, 4, 16, 41
@@ -74,7 +74,17 @@ def check(loss, expected, leaves, leaves64, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("add_tail", [True, False], ids=["tail", "no-tail"])
-def test_forward_kl_is_trl(flce, trainer_class, dtype, k, add_tail):
+def test_forward_kl_is_trl(flce, trainer_class, monkeypatch, dtype, k, add_tail):
+    """Without the tail the loss takes the K logits alone: no vocabulary sweep, forward or backward."""
+    backend = submodule(flce, "_triton_backend" if DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+                        else "_torch_backend")
+    sweeps = []
+
+    def counted(name, function):
+        return lambda *args, **kwargs: sweeps.append(name) or function(*args, **kwargs)
+
+    for name in ("row_stats", "grad_logits"):
+        monkeypatch.setattr(backend, name, counted(name, getattr(backend, name)))
     options = dict(temperature=0.8, softcap=4.0) if k == 4 else dict(temperature=1.0, softcap=None)
     leaves, case = make_case(dtype, k, seed=k + 2 * add_tail, bias=k == 4)
     rows = case["labels"] != IGNORE
@@ -88,6 +98,7 @@ def test_forward_kl_is_trl(flce, trainer_class, dtype, k, add_tail):
     if k == 1 and not add_tail:
         assert expected.item() == 0.0  # one renormalised element: TRL's loss is 0 (hence its tail)
     check(loss, expected, leaves, leaves64, dtype)
+    assert sorted(set(sweeps)) == (["grad_logits", "row_stats"] if add_tail else []), sweeps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -139,8 +139,10 @@ def test_refused(flce):
         flce.fused_linear_log_probs(hidden, weight, torch.where(ids == IGNORE, 0, ids + 29))
 
 
-def test_compiled_sparse_kl_matches_eager(flce, path):
-    """torch.compile(fullgraph=True) through the (N, K) log-probs and the sparse KL: one graph
+@pytest.mark.parametrize("add_tail", [True, False], ids=["tail", "no-tail"])
+def test_compiled_sparse_kl_matches_eager(flce, path, add_tail):
+    """torch.compile(fullgraph=True) through the sparse KL (the (N, K) log-probs, or the K logits
+    alone without the tail): one graph
     (the custom operators' fake implementations and autograd), the same loss and gradients. On
     the CPU through dynamo and AOTAutograd ("aot_eager"), Inductor on CUDA."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -151,7 +153,7 @@ def test_compiled_sparse_kl_matches_eager(flce, path):
     teacher = teacher.to(path.device).gather(-1, torch.where(ids == IGNORE, 0, ids))
 
     def loss(h, w, b):
-        return flce.fused_linear_sparse_kl(h, w, ids, teacher, b, temperature=0.8, softcap=3.0)
+        return flce.fused_linear_sparse_kl(h, w, ids, teacher, b, temperature=0.8, softcap=3.0, add_tail=add_tail)
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor" if DEVICE == "cuda" else "aot_eager")
