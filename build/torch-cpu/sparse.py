@@ -100,7 +100,8 @@ def _add_sparse_terms(grads: list, hidden: Tensor, weight: Tensor, ids: Tensor, 
     grad_hidden, grad_weight, grad_bias = grads
     n_rows, k = ids.shape
     if grad_hidden is not None:
-        # a bag of K rows of weight per row, summed in fp32 (one kernel, no [N, K, H] gather)
+        # a bag of K rows of weight per row, weighted by the coefficients in weight's dtype (one
+        # kernel, no [N, K, H] gather)
         grad_hidden += F.embedding_bag(ids, weight, per_sample_weights=coef.to(weight.dtype), mode="sum")
     if grad_bias is not None:
         terms = coef.new_zeros(grad_bias.shape[0]).index_add_(0, ids.reshape(-1), coef.reshape(-1))
@@ -114,9 +115,14 @@ def _add_sparse_terms(grads: list, hidden: Tensor, weight: Tensor, ids: Tensor, 
         rows = torch.arange(n_rows, device=hidden.device).repeat_interleave(k)
         add_target_rows(grad_weight, flat_coef, flat_ids, hidden, rows)
         return
-    touched, slot = torch.unique(flat_ids, return_inverse=True)
+    # the ids' terms summed in the accumulation dtype, over chunks of rows, then one rounding
+    touched, slot = torch.unique(ids, return_inverse=True)
     sums = coef.new_zeros((touched.shape[0], hidden.shape[1]))
-    sums.index_add_(0, slot, flat_coef[:, None] * hidden.to(coef.dtype).repeat_interleave(k, dim=0))
+    step = max(1, _GATHER_ELEMENTS // (k * hidden.shape[1]))
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        terms = coef[start:end, :, None] * hidden[start:end, None, :].to(coef.dtype)  # [rows, K, H]
+        sums.index_add_(0, slot[start:end].reshape(-1), terms.reshape(-1, hidden.shape[1]))
     grad_weight[touched] = (grad_weight[touched].to(sums.dtype) + sums).to(grad_weight.dtype)
 
 
@@ -569,9 +575,9 @@ def fused_linear_top1_divergence(
     left out where it is the top-1), with their teacher log-probs. With ``add_tail`` (TRL's
     default) both distributions get the tail bucket log(1 - sum exp(.)) (at beta = 1: the
     Bernoulli of x_n against the rest); without it both are renormalised over the support (then a
-    one-element support gives 0; no sweep of the vocabulary is needed). The row's divergence is TRL's ``_jsd_divergence`` summed over
-    those elements: sum p_s (log p_s - log p_t) at beta = 1, the generalised JSD with the mixture
-    beta p_t + (1 - beta) p_s otherwise.
+    one-element support gives 0; no sweep of the vocabulary is needed). The row's divergence is
+    TRL's ``_jsd_divergence`` summed over those elements: sum p_s (log p_s - log p_t) at beta = 1,
+    the generalised JSD with the mixture beta p_t + (1 - beta) p_s otherwise.
 
     Normalisation: a row takes part when ``token_ids[n] != ignore_index``; "mean" divides the sum
     of their divergences by their count (at least 1), TRL's batchmean; "sum"; "none" per row.

@@ -576,8 +576,8 @@ def fused_linear_top1_divergence(
     default) both distributions get the tail bucket log(1 - sum exp(.)) (at beta = 1: the
     Bernoulli of x_n against the rest); without it both are renormalised over the support (then a
     one-element support gives 0; no sweep of the vocabulary is needed). The row's divergence is
-    TRL's ``_jsd_divergence`` summed over those elements: sum p_s (log p_s - log p_t) at beta = 1, the generalised JSD with the mixture
-    beta p_t + (1 - beta) p_s otherwise.
+    TRL's ``_jsd_divergence`` summed over those elements: sum p_s (log p_s - log p_t) at beta = 1,
+    the generalised JSD with the mixture beta p_t + (1 - beta) p_s otherwise.
 
     Normalisation: a row takes part when ``token_ids[n] != ignore_index``; "mean" divides the sum
     of their divergences by their count (at least 1), TRL's batchmean; "sum"; "none" per row.
