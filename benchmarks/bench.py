@@ -21,6 +21,7 @@ throttle reasons during each step timing are recorded with it.
 import argparse
 import datetime
 import gc
+import importlib.util
 import inspect
 import json
 import math
@@ -521,6 +522,123 @@ def matmul_peak_tflops(warmup_ms: float = 100):
     return 2 * 8192**3 / ms / 1e9
 
 
+# ---- sparse distillation rows: top-k teacher targets (issue 48) ---------------------------
+# name: (hidden_size, vocab_size, n_tokens, dtype, K); K = 1: the top-1 reverse KL (beta = 1)
+SPARSE_ROWS = {
+    "sparse-k20": (4096, 128256, 8192, "bfloat16", 20),
+    "sparse-k100": (4096, 128256, 8192, "bfloat16", 100),
+    "sparse-top1": (4096, 128256, 8192, "bfloat16", 1),
+}
+SPARSE_TEMPERATURE = 1.0
+
+
+def sparse_teacher(hidden, weight, k: int, seed: int = 1, noise: float = 1.0):
+    """A teacher's top-k (ids [N, k], log-probs [N, k] fp32) and its log-prob of a token sampled
+    from it ([N], [N]): the student's logits plus Gaussian noise, chunk by chunk."""
+    g = torch.Generator(device=hidden.device).manual_seed(seed)
+    ids, log_probs, tokens, token_log_probs = [], [], [], []
+    for start in range(0, hidden.shape[0], 2048):
+        logits = hidden[start:start + 2048].float() @ weight.float().T
+        teacher = torch.log_softmax(logits + noise * torch.randn(logits.shape, generator=g, device=logits.device), -1)
+        top = teacher.topk(k, dim=-1)
+        token = torch.multinomial(teacher.exp(), 1, generator=g)
+        ids.append(top.indices)
+        log_probs.append(top.values)
+        tokens.append(token[:, 0])
+        token_log_probs.append(teacher.gather(-1, token)[:, 0])
+    return torch.cat(ids), torch.cat(log_probs), torch.cat(tokens), torch.cat(token_log_probs)
+
+
+def trl_sparse_loss(student_log_probs, ids, teacher_log_probs, beta: float):
+    """TRL 1.16's server losses on the student's full log-softmax [N, V], every row counted:
+    ``_compute_server_forward_kl_loss`` (beta 0, the teacher's top-k ``ids``) or the top-1
+    divergence at beta 1 (``ids`` [N, 1]: the sampled token), both with the tail bucket (TRL's
+    default), through TRL's own ``_add_tail_bucket`` and ``_jsd_divergence``."""
+    from trl.experimental.server_distillation.server_distillation_trainer import _add_tail_bucket, _jsd_divergence
+
+    valid = teacher_log_probs > float("-inf")
+    student = torch.where(valid, student_log_probs.gather(-1, ids), float("-inf"))
+    student, support = _add_tail_bucket(student, valid)
+    teacher, _ = _add_tail_bucket(torch.where(valid, teacher_log_probs, float("-inf")), valid)
+    return _jsd_divergence(student, teacher, beta, support).sum() / ids.shape[0]
+
+
+def sparse_methods(flce, k: int, labels, teacher):
+    """name: f(hidden, weight, ids) for a sparse row: ours, torch.compile of TRL's loss on the
+    materialised logits, and our loss alone (cross-entropy against ``labels``) at the shape."""
+    ids, log_probs, tokens, token_log_probs = teacher
+    beta = 0.0 if k > 1 else 1.0
+    support, support_log_probs = (ids, log_probs) if k > 1 else (tokens[:, None], token_log_probs[:, None])
+
+    def ours(h, w, _):
+        if k > 1:
+            return flce.fused_linear_sparse_kl(h, w, ids, log_probs, temperature=SPARSE_TEMPERATURE)
+        return flce.fused_linear_top1_divergence(h, w, tokens, token_log_probs, temperature=SPARSE_TEMPERATURE)
+
+    @torch.compile
+    def compiled(h, w, _):
+        student = F.log_softmax((h @ w.T) / SPARSE_TEMPERATURE, dim=-1)  # TRL: log_softmax of the model's logits
+        return trl_sparse_loss(student, support, support_log_probs, beta)
+
+    return {"flce-sparse": ours, "torch.compile-trl-sparse": compiled,
+            "fused-linear-ce": lambda h, w, _: flce.fused_linear_cross_entropy(h, w, labels)}
+
+
+def sparse_reference(hidden, weight, ids, teacher_log_probs, beta: float, rows: int = 1024):
+    """(loss, grad_hidden, grad_weight) of ``trl_sparse_loss`` in float64, chunk by chunk of rows."""
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    n_rows = hidden.shape[0]
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        student = torch.log_softmax((h64[start:end] @ w64.T) / SPARSE_TEMPERATURE, dim=-1)
+        loss = trl_sparse_loss(student, ids[start:end], teacher_log_probs[start:end].double(), beta)
+        loss = loss * (end - start) / n_rows
+        loss.backward()
+        total += loss.detach()
+    return total, h64.grad, w64.grad
+
+
+def run_sparse_rows(flce, rows: str, args, result) -> None:
+    """The sparse rows: each method's fwd and fwd+bwd ms, peak MiB and errors against float64;
+    ours against our own loss-only step (``step_vs_loss``, ``peak_vs_loss``). Needs TRL (the peer's
+    and the reference's definitions)."""
+    if rows and importlib.util.find_spec("trl") is None:
+        print("# skipping the sparse rows: TRL is not installed", flush=True)
+        return
+    for row in filter(None, rows.split(",")):
+        hidden_size, vocab_size, n_tokens, dtype, k = SPARSE_ROWS[row]
+        hidden, weight, labels = make_inputs(n_tokens, hidden_size, vocab_size, getattr(torch, dtype), "lm",
+                                             ignored_share=0.0)
+        teacher = sparse_teacher(hidden, weight, k)
+        methods = sparse_methods(flce, k, labels, teacher)
+        ids, log_probs = (teacher[0], teacher[1]) if k > 1 else (teacher[2][:, None], teacher[3][:, None])
+        ref = sparse_reference(hidden, weight, ids, log_probs, 0.0 if k > 1 else 1.0)
+        torch.cuda.empty_cache()
+        entries = {}
+        for name, fn in methods.items():
+            try:
+                out = measure(fn, hidden, weight, ids, None if name == "fused-linear-ce" else ref, args.rep_ms,
+                              args.warmup_ms)
+            except Exception as e:  # a peer failing on a shape is a result, not a crash
+                out = {"error": f"{type(e).__name__}: {e}"[:300]}
+            torch.cuda.empty_cache()
+            entries[name] = {"row": row, "inputs": "lm", "method": name, "hidden_size": hidden_size,
+                             "vocab_size": vocab_size, "n_tokens": n_tokens, "dtype": dtype, "k": k, **out}
+        ours, loss_only = entries["flce-sparse"], entries["fused-linear-ce"]
+        if "step_ms" in ours and "step_ms" in loss_only:
+            ours["step_vs_loss"] = ours["step_ms"] / loss_only["step_ms"]
+            ours["peak_vs_loss"] = ours["step_peak_mib"] / loss_only["step_peak_mib"]
+        for entry in entries.values():
+            result["results"].append(entry)
+            print(json.dumps(entry), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        del hidden, weight, labels, teacher, ref
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows: " + ", ".join(ROWS))
@@ -542,6 +660,8 @@ def main():
     parser.add_argument("--zero-advantages", type=float, default=0.0,
                         help="share of the GRPO methods' sequences whose advantage is 0 (groups whose rewards were "
                              "all equal)")
+    parser.add_argument("--sparse-rows", default="",
+                        help="sparse distillation rows (top-k teacher targets): " + ", ".join(SPARSE_ROWS))
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
     parser.add_argument("--base", default=None,
                         help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
@@ -614,6 +734,7 @@ def main():
                     Path(args.out).write_text(json.dumps(result, indent=1))
             del hidden, weight, targets, ref
             torch.cuda.empty_cache()
+    run_sparse_rows(flce, args.sparse_rows, args, result)
     # the logit kernel's configuration per launch key, as the autotuner chose them on this GPU
     backend = sys.modules.get(flce.__name__ + "._triton_backend")
     result["tuned_configs"] = [[repr(key[1:]), str(config)] for key, config in getattr(backend, "_chosen", {}).items()]

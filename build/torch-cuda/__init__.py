@@ -12,12 +12,16 @@ from .causal_lm import causal_lm_loss, token_metrics
 from .interface import fused_linear_cross_entropy
 from .log_probs import TokenOutputs, fused_linear_log_probs
 from .patching import fused_forward, logit_options, patch_forward, unpatch_forward
+from .sparse import fused_linear_sparse_kl, fused_linear_top1_divergence
 
 __all__ = [
     # the loss, and the per-token outputs of RL and preference training
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
     "TokenOutputs",
+    # top-k distillation on sparse teacher targets
+    "fused_linear_sparse_kl",
+    "fused_linear_top1_divergence",
     # integrations: transformers causal LMs, kernels layers, training metrics
     "causal_lm",
     "causal_lm_loss",

@@ -99,6 +99,7 @@ def fused_linear_log_probs(
         hidden: (..., H) float32, bfloat16, float16 or float64.
         weight: (V, H), hidden's dtype.
         targets: hidden's leading shape, int64 (or int32); ``ignore_index`` marks rows without one.
+            Of shape (..., K), K ids a row: ``sparse.sparse_token_outputs`` (log_probs (..., K)).
         bias: (V,) in hidden's dtype, or None.
         temperature: > 0, divides the final logits.
         logit_scale: multiplies the logits (before the softcap).
@@ -113,6 +114,11 @@ def fused_linear_log_probs(
         gradients (to hidden, weight and bias) from any per-token upstream gradient; the others
         have none. The outputs are the same bit for bit whether or not gradients are wanted.
     """
+    if isinstance(hidden, Tensor) and isinstance(targets, Tensor) and targets.dim() == hidden.dim():
+        from .sparse import sparse_token_outputs  # (..., K) targets: K ids a row
+
+        return sparse_token_outputs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=softcap, ignore_index=ignore_index, outputs=outputs)
     outputs = _checked_outputs(outputs)
     if has_dtensor(hidden, weight, targets, bias):
         raise TypeError("fused_linear_log_probs takes plain tensors: gather DTensor inputs first (full_tensor())")

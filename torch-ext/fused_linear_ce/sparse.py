@@ -1,0 +1,623 @@
+"""Sparse targets: the log-probs of K given ids per row, and the top-k distillation losses on them.
+
+For row n with ids t_n1..t_nK, over the temperature-scaled logits z_n,
+
+    log_probs[n, k] = z[n, t_nk] - lse_n
+
+One vocabulary sweep (the per-token path of ``fused_linear_log_probs``, against one id of the
+row) gives lse_n; the K logits z[n, t_nk] are K dot products hidden_n . weight[t_nk] (then bias,
+scale and softcap, as the kernels apply them). For an upstream gradient g [N, K],
+
+    d out / d z_nj = sum_k g_nk [j = t_nk] - (sum_k g_nk) p_nj
+
+The softmax term is the per-token backward's, with d out / d lse_n = -sum_k g_nk; the sparse
+term adds g_nk c_nk weight[t_nk] to grad_hidden[n] and g_nk c_nk hidden_n to grad_weight[t_nk]
+(c_nk = dz/du at that logit, u the raw logit), K terms a row, never an (N, K, H) tensor. The
+row's first id goes through the per-token backward as its target, so K = 1 is that backward.
+
+The losses follow TRL 1.16's ``ServerDistillationTrainer`` (``_compute_server_forward_kl_loss``,
+``_add_tail_bucket``, ``_compute_sparse_top_1_divergence_loss``) on these log-probs. Without the
+tail bucket they renormalise the log-probs over the ids, s_k - logsumexp_j s_j, in which lse_n
+cancels: they then take the K logits alone (``picked_forward_op``), with no vocabulary sweep.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._chunked import backend_for
+from ._dtensor import has_dtensor
+from ._ops import DOUBLE_BACKWARD_ERROR, NAMESPACE, _no_autocast, _token_backward_grads, _token_forward, _traced
+from ._options import LossOptions, accumulation_dtype
+from .interface import (
+    _autocast,
+    _check_inputs,
+    _checked_ignore_index,
+    _finish_target_check,
+    _number,
+    _start_target_check,
+    _targets_checked,
+    _under_functorch,
+)
+from .log_probs import TOKEN_OUTPUTS, TokenOutputs
+
+SPARSE_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+_GATHER_ELEMENTS = 1 << 24  # the most weight elements gathered at once by the PyTorch picked logits
+
+
+def _checked_sparse_outputs(outputs) -> tuple[str, ...]:
+    if isinstance(outputs, str) or not all(isinstance(name, str) for name in outputs):
+        raise TypeError(f"outputs must be a tuple of names among {SPARSE_OUTPUTS}, got {outputs!r}")
+    if "is_top1" in outputs:
+        raise ValueError("is_top1 is not available for (..., K) targets: the per-token sweep compares one id a row "
+                         "with its argmax. Take fused_linear_cross_entropy(..., reduction='none', "
+                         "return_metrics=True)[1]['predictions'] and compare it with each id.")
+    unknown = sorted(set(outputs) - set(SPARSE_OUTPUTS))
+    if unknown:
+        raise ValueError(f"unknown outputs {unknown}: choose among {SPARSE_OUTPUTS}")
+    return tuple(outputs)
+
+
+def _picked_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, opts: LossOptions) -> Tensor:
+    """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs); ``ids`` all columns of
+    ``weight``. The Triton backend sums each as its logit tiles do (``step_target_logits``, the K
+    ids of a row reading its hidden row in place); otherwise dot products in the accumulation
+    dtype over chunks of rows, as the PyTorch backend's logits."""
+    n_rows, k = ids.shape
+    acc_dtype = accumulation_dtype(hidden.dtype)
+    if n_rows * k == 0:
+        return hidden.new_zeros((n_rows, k), dtype=acc_dtype)
+    rows = torch.arange(n_rows, device=hidden.device).repeat_interleave(k)
+    picked = backend_for(hidden.device).step_target_logits(hidden, weight, ids.reshape(-1), opts, bias, rows=rows)
+    if picked is not None:
+        return picked.view(n_rows, k)
+    logits = hidden.new_empty((n_rows, k), dtype=acc_dtype)
+    step = max(1, _GATHER_ELEMENTS // (k * weight.shape[1]))
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        picked_rows = weight[ids[start:end]].to(acc_dtype)  # [rows, K, H]
+        torch.bmm(picked_rows, hidden[start:end, :, None].to(acc_dtype), out=logits[start:end, :, None])
+    if bias is not None:
+        logits += bias.to(acc_dtype)[ids]
+    if opts.logit_scale != 1.0:
+        logits *= opts.logit_scale
+    if opts.has_softcap:
+        logits.div_(opts.softcap).tanh_().mul_(opts.softcap)
+    return logits
+
+
+def _logit_chain(logits: Tensor, opts: LossOptions) -> Tensor:
+    """dz/du [N, K] at the final logits z = c tanh(s u / c) (z = s u without a softcap)."""
+    if not opts.has_softcap:
+        return torch.full_like(logits, opts.logit_scale)
+    return (logits / opts.softcap).square_().neg_().add_(1.0).mul_(opts.logit_scale)
+
+
+def _add_sparse_terms(grads: list, hidden: Tensor, weight: Tensor, ids: Tensor, coef: Tensor) -> None:
+    """The sparse term of the gradients, in place: grad_hidden[n] += sum_k coef[n, k] weight[ids[n, k]],
+    grad_weight[ids[n, k]] += coef[n, k] hidden[n], grad_bias[ids[n, k]] += coef[n, k]; ``coef``
+    [N, K] (0: no term), ``ids`` columns of weight; a None gradient is not wanted."""
+    grad_hidden, grad_weight, grad_bias = grads
+    n_rows, k = ids.shape
+    if grad_hidden is not None:
+        # a bag of K rows of weight per row, weighted by the coefficients in weight's dtype (one
+        # kernel, no [N, K, H] gather)
+        grad_hidden += F.embedding_bag(ids, weight, per_sample_weights=coef.to(weight.dtype), mode="sum")
+    if grad_bias is not None:
+        terms = coef.new_zeros(grad_bias.shape[0]).index_add_(0, ids.reshape(-1), coef.reshape(-1))
+        grad_bias.copy_(grad_bias.to(terms.dtype) + terms)
+    if grad_weight is None:
+        return
+    flat_coef, flat_ids = coef.reshape(-1), ids.reshape(-1)
+    add_target_rows = getattr(backend_for(hidden.device), "add_target_rows", None)
+    if add_target_rows is not None and coef.dtype == torch.float32:
+        # each id's terms summed in fp32 in a fixed order, one rounding into grad_weight
+        rows = torch.arange(n_rows, device=hidden.device).repeat_interleave(k)
+        add_target_rows(grad_weight, flat_coef, flat_ids, hidden, rows)
+        return
+    # the ids' terms summed in the accumulation dtype, over chunks of rows, then one rounding
+    touched, slot = torch.unique(ids, return_inverse=True)
+    sums = coef.new_zeros((touched.shape[0], hidden.shape[1]))
+    step = max(1, _GATHER_ELEMENTS // (k * hidden.shape[1]))
+    for start in range(0, n_rows, step):
+        end = min(start + step, n_rows)
+        terms = coef[start:end, :, None] * hidden[start:end, None, :].to(coef.dtype)  # [rows, K, H]
+        sums.index_add_(0, slot[start:end].reshape(-1), terms.reshape(-1, hidden.shape[1]))
+    grad_weight[touched] = (grad_weight[touched].to(sums.dtype) + sums).to(grad_weight.dtype)
+
+
+# ---- the operators: opaque to torch.compile, as the package's others (_ops.py) -------------
+_NUM_OPTIONS = LossOptions.num_op_args()
+_FLAGS = "str outputs, bool metrics, bool logit_sum, bool sum_sq"
+_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}, {_FLAGS}) "
+                   f"-> ({', '.join(['Tensor'] * 6)})")
+_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor lse, Tensor entropy, "
+                    f"Tensor logits, Tensor log_prob_grad, Tensor? entropy_grad, {LossOptions.op_schema()}, "
+                    "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+
+
+def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(column [N, 1] of each row's first id that is not ``ignore_index``, 0 where none; that id
+    [N], ``ignore_index`` where none): the row's target in the sweep."""
+    first = (ids != ignore_index).to(torch.int8).argmax(-1, keepdim=True)
+    return first, ids.gather(-1, first).squeeze(-1)
+
+
+def _sparse_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> tuple[Tensor, ...]:
+    """(log_probs [N, K], lse, entropy, mean_logits, log_sum_sq_probs [N], logits [N, K]) of ``ids``
+    [N, K] under the options in ``args`` (flat ``LossOptions``, then the outputs' names and which
+    statistics the sweep keeps, as ``_ops._token_forward``); statistics not asked for are empty.
+    One sweep against each row's first id gives lse (and the row's statistics); the K final
+    logits come from dot products (``_picked_logits``)."""
+    opts = LossOptions.from_op_args(args)
+    key, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    first, row_ids = _first_ids(ids, opts.ignore_index)
+    lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_ = _token_forward(
+        hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False)
+    valid = ids != opts.ignore_index
+    with _no_autocast(hidden):  # the inputs are cast already; the products keep their dtype
+        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
+    log_probs = torch.where(valid, logits - lse[:, None], 0.0)
+    log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
+    return log_probs, lse, entropy, mean_logits, log_sum_sq, logits
+
+
+sparse_forward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_forward", _sparse_forward, mutates_args=(),
+                                            schema=_FORWARD_SCHEMA)
+
+
+@sparse_forward_op.register_fake
+def _(hidden, weight, ids, bias, *args):
+    _, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+    n_rows = hidden.shape[0]
+
+    def per_row(wanted):
+        return torch.empty((n_rows,) if wanted else (0,), **acc)
+
+    return (torch.empty(ids.shape, **acc), per_row(True), per_row(metrics), per_row(logit_sum), per_row(sum_sq),
+            torch.empty(ids.shape, **acc))
+
+
+def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, lse: Tensor,
+                           entropy: Tensor, logits: Tensor, log_prob_grad: Tensor, entropy_grad: Tensor | None,
+                           *args) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias), empty where not asked for, for d out / d log_probs
+    [N, K] and d out / d entropy [N] (or None): the row's first id through the per-token
+    backward as its target, with d out / d lse = -(the other ids' sum), then the other ids'
+    sparse terms (``_add_sparse_terms``)."""
+    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    first, row_ids = _first_ids(ids, opts.ignore_index)
+    valid = ids != opts.ignore_index
+    g = torch.where(valid, log_prob_grad.to(logits.dtype), 0.0)
+    rest = g.scatter(-1, first, 0.0)
+    loss_grad = -g.gather(-1, first).squeeze(-1)  # of the sweep's loss lse - z_t: -d out / d log_probs
+    lse_grad = -rest.sum(-1) if ids.shape[1] > 1 else None
+    row_entropy_grad = None
+    if entropy_grad is not None:
+        row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
+        entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
+        lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
+    grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
+                                  row_entropy_grad, *opts.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    if ids.shape[1] > 1:
+        with _no_autocast(hidden):
+            _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), rest * _logit_chain(logits, opts))
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+sparse_backward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_backward", _sparse_backward_grads,
+                                             mutates_args=(), schema=_BACKWARD_SCHEMA)
+
+
+@sparse_backward_op.register_fake
+def _(hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad, entropy_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+            hidden.new_empty(weight.shape if grad_weight else (0,)),
+            hidden.new_empty(bias.shape if grad_bias else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, ids, bias, *args = inputs
+    log_probs, lse, entropy, mean_logits, log_sum_sq, logits = output
+    ctx.mark_non_differentiable(lse, mean_logits, log_sum_sq, logits)
+    ctx.set_materialize_grads(False)
+    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    # the bias as the forward saw it (F.linear does not save its bias; see _ops._setup_context)
+    ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), lse, entropy, logits)
+
+
+def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
+    num_inputs = 4 + _NUM_OPTIONS + 4
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[3])
+    if (log_prob_grad is None and entropy_grad is None) or not any(want):
+        return (None,) * num_inputs
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    hidden, weight, ids, bias, lse, entropy, logits = ctx.saved_tensors
+    if log_prob_grad is None:
+        log_prob_grad = torch.zeros_like(logits)
+    grads = _traced(sparse_backward_op, _sparse_backward_grads, hidden)(
+        hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad,
+        *ctx.options.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    return grads[0], grads[1], None, grads[2], *([None] * (num_inputs - 4))
+
+
+sparse_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSparseForward(torch.autograd.Function):
+    """``sparse_forward_op`` in eager mode, without the operator's dispatch (as ``_ops._EagerTokenForward``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _sparse_forward(*args)
+        _setup_context(ctx, args, output)
+        return output
+
+    backward = staticmethod(_backward)
+
+
+# ---- the K logits alone: what the losses renormalised over the ids need (no lse) ----------
+_PICKED_SCHEMA = f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}) -> Tensor"
+_PICKED_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor logits, Tensor logit_grad, "
+                           f"{LossOptions.op_schema()}, bool grad_hidden, bool grad_weight, bool grad_bias) "
+                           "-> (Tensor, Tensor, Tensor)")
+
+
+def _picked_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> Tensor:
+    """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs), 0 where ignored."""
+    opts = LossOptions.from_op_args(args)
+    valid = ids != opts.ignore_index
+    with _no_autocast(hidden):
+        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
+    return torch.where(valid, logits, 0.0)
+
+
+picked_forward_op = torch.library.custom_op(f"{NAMESPACE}::picked_logits", _picked_forward, mutates_args=(),
+                                            schema=_PICKED_SCHEMA)
+
+
+@picked_forward_op.register_fake
+def _(hidden, weight, ids, bias, *args):
+    return torch.empty(ids.shape, device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
+
+
+def _picked_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, logits: Tensor,
+                           logit_grad: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) of the picked logits for d out / d logits [N, K]:
+    the sparse terms alone (``_add_sparse_terms``), empty where not asked for."""
+    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    valid = ids != opts.ignore_index
+    coef = torch.where(valid, logit_grad.to(logits.dtype), 0.0) * _logit_chain(logits, opts)
+    grads = [torch.zeros_like(t) if w else None for t, w in zip((hidden, weight, bias), want, strict=True)]
+    with _no_autocast(hidden):
+        _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), coef)
+    return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
+
+
+picked_backward_op = torch.library.custom_op(f"{NAMESPACE}::picked_logits_backward", _picked_backward_grads,
+                                             mutates_args=(), schema=_PICKED_BACKWARD_SCHEMA)
+
+
+@picked_backward_op.register_fake
+def _(hidden, weight, ids, bias, logits, logit_grad, *args):
+    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
+            hidden.new_empty(weight.shape if grad_weight else (0,)),
+            hidden.new_empty(bias.shape if grad_bias else (0,)))
+
+
+def _picked_setup_context(ctx, inputs, output):
+    hidden, weight, ids, bias, *args = inputs
+    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), output)
+
+
+def _picked_backward(ctx, logit_grad):
+    num_inputs = 4 + _NUM_OPTIONS
+    needs = ctx.needs_input_grad
+    want = (needs[0], needs[1], ctx.has_bias and needs[3])
+    if logit_grad is None or not any(want):
+        return (None,) * num_inputs
+    if torch.is_grad_enabled():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+    hidden, weight, ids, bias, logits = ctx.saved_tensors
+    grads = _traced(picked_backward_op, _picked_backward_grads, hidden)(
+        hidden, weight, ids, bias, logits, logit_grad.contiguous(), *ctx.options.op_args(), *want)
+    grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
+    return grads[0], grads[1], None, grads[2], *([None] * _NUM_OPTIONS)
+
+
+picked_forward_op.register_autograd(_picked_backward, setup_context=_picked_setup_context)
+
+
+class _EagerPickedLogits(torch.autograd.Function):
+    """``picked_forward_op`` in eager mode, without the operator's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _picked_forward(*args)
+        _picked_setup_context(ctx, args, output)
+        return output
+
+    backward = staticmethod(_picked_backward)
+
+
+# ---- the public entry points ----------------------------------------------------------------
+def _checked_sparse_inputs(hidden, weight, ids, bias, temperature, logit_scale, softcap, ignore_index):
+    """The checks and casts of ``fused_linear_log_probs`` for (..., K) ids: (hidden [N, H], weight,
+    ids [N, K] int64, bias or None, LossOptions with the temperature folded in)."""
+    if has_dtensor(hidden, weight, ids, bias):
+        raise TypeError("fused_linear_log_probs takes plain tensors: gather DTensor inputs first (full_tensor())")
+    if _under_functorch():
+        raise RuntimeError("fused_linear_log_probs does not support torch.func transforms")
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    temperature, logit_scale, softcap = (_number(name, value) for name, value in (
+        ("temperature", temperature), ("logit_scale", logit_scale), ("softcap", softcap)))
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets must be int64 (or int32), got {ids.dtype}")
+    if ids.shape[:-1] != hidden.shape[:-1] or ids.shape[-1] == 0:
+        raise ValueError(f"(..., K) targets must have shape {tuple(hidden.shape[:-1])} + (K,) with K >= 1, "
+                         f"got {tuple(ids.shape)}")
+    _check_inputs(hidden, weight, ids[..., 0], bias, logit_scale, softcap, "none", 0.0, 0.0)
+    if not (isinstance(temperature, float) and temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    ignore_index = _checked_ignore_index(ignore_index)
+    # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
+    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
+                       softcap=None if softcap is None else softcap / temperature)
+    ids_2d = ids.reshape(-1, ids.shape[-1]).long().contiguous()
+    return hidden.reshape(-1, weight.shape[1]), weight, ids_2d, None if bias is None else bias.contiguous(), opts
+
+
+def _checked_ids(ids: Tensor, vocab_size: int, opts: LossOptions, run):
+    """``run()``, with the ids' range check queued before it and read after it (as the loss's)."""
+    check = _start_target_check(ids.reshape(-1), vocab_size, opts.ignore_index) if _targets_checked(ids) else None
+    result = run()
+    if check is not None:
+        _finish_target_check(check, ids.reshape(-1), vocab_size, opts.ignore_index)
+    return result
+
+
+def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None = None, *,
+                         temperature: float = 1.0, logit_scale: float = 1.0, softcap: float | None = None,
+                         ignore_index: int = -100, outputs: tuple[str, ...] = ("log_probs",)) -> TokenOutputs:
+    """``fused_linear_log_probs`` for ``ids`` of shape (..., K), hidden (..., H): K ids a row.
+
+    Returns a ``TokenOutputs`` whose ``log_probs`` has the ids' shape (..., K), 0 at ids equal to
+    ``ignore_index``; ``entropy``, ``log_sum_sq_probs`` and ``mean_logits`` are per row (...,),
+    0 on rows whose ids are all ``ignore_index``. ``log_probs`` and ``entropy`` take gradients,
+    recomputed in the backward (one sweep of the vocabulary and K dot products a row, forward and
+    backward alike). ``is_top1`` is refused (see the error). The logits and arguments are
+    ``fused_linear_log_probs``'s.
+    """
+    outputs = _checked_sparse_outputs(outputs)
+    hidden_2d, weight, ids_2d, bias, opts = _checked_sparse_inputs(hidden, weight, ids, bias, temperature,
+                                                                   logit_scale, softcap, ignore_index)
+    key = ",".join(sorted(set(outputs) | {"log_probs"}))
+    backend_for(hidden_2d.device).precompile("tokens:" + key, hidden_2d.device)
+    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
+        sparse_forward_op, _EagerSparseForward.apply, hidden_2d)(
+        hidden_2d, weight, ids_2d, bias, *opts.op_args(), key, "entropy" in outputs, "mean_logits" in outputs,
+        "log_sum_sq_probs" in outputs))
+    per_row = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits)
+    values = {name: value.reshape(ids.shape[:-1]) for name, value in per_row.items() if name in outputs}
+    values["log_probs"] = log_probs.reshape(ids.shape)
+    return TokenOutputs(**{name: values.get(name) for name in TOKEN_OUTPUTS})
+
+
+def _support_scores(hidden, weight, ids, bias, add_tail: bool, **options) -> Tensor:
+    """The student's scores of ``ids`` (..., K) for a loss on them: its log-probs where the tail
+    bucket needs them, else its logits alone, which renormalise to the same log-probs over the
+    ids (the lse cancels): no vocabulary sweep then, K dot products a row."""
+    if add_tail:
+        return sparse_token_outputs(hidden, weight, ids, bias, **options).log_probs
+    hidden_2d, weight, ids_2d, bias, opts = _checked_sparse_inputs(
+        hidden, weight, ids, bias, options["temperature"], options["logit_scale"], options["softcap"],
+        options["ignore_index"])
+    logits = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
+        picked_forward_op, _EagerPickedLogits.apply, hidden_2d)(hidden_2d, weight, ids_2d, bias, *opts.op_args()))
+    return logits.reshape(ids.shape)
+
+
+# ---- the top-k distillation losses (TRL 1.16's ServerDistillationTrainer) -------------------
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _tail_bucket(log_probs: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
+    """TRL's ``_add_tail_bucket``: one more element, log(1 - sum_k exp(log_probs_k)), the sum
+    held below 1 (its log at most -1e-7), which is always in the support."""
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([support, torch.ones_like(support[..., :1])], dim=-1)
+
+
+def _sparse_distributions(student: Tensor, teacher: Tensor, support: Tensor, add_tail: bool):
+    """The student's and the teacher's log-probs on the support (-inf off it), with the tail
+    bucket, or renormalised over the support without it; and the support with the tail."""
+    neg_inf = torch.full((), float("-inf"), dtype=student.dtype, device=student.device)
+    student, teacher = torch.where(support, student, neg_inf), torch.where(support, teacher, neg_inf)
+    if add_tail:
+        (student, full_support), (teacher, _) = _tail_bucket(student, support), _tail_bucket(teacher, support)
+        return student, teacher, full_support
+    student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+    teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return student, teacher, support
+
+
+def _divergence_on_support(student: Tensor, teacher: Tensor, beta: float, support: Tensor) -> Tensor:
+    """TRL's ``_jsd_divergence`` with a support mask, per element: beta = 0 the forward KL
+    terms p_t (log p_t - log p_s), beta = 1 the reverse p_s (log p_s - log p_t), in between the
+    generalised JSD against the mixture m = beta p_t + (1 - beta) p_s; 0 off the support."""
+    zero = torch.zeros((), dtype=student.dtype, device=student.device)
+    safe_student, safe_teacher = torch.where(support, student, zero), torch.where(support, teacher, zero)
+    student_probs = torch.where(support, student.exp(), zero)
+    teacher_probs = torch.where(support, teacher.exp(), zero)
+    if beta == 0:
+        return torch.nan_to_num(teacher_probs * (safe_teacher - safe_student), nan=0.0)
+    if beta == 1:
+        return torch.nan_to_num(student_probs * (safe_student - safe_teacher), nan=0.0)
+    mixture = (1 - beta) * student_probs + beta * teacher_probs
+    safe_mixture = torch.where(support, torch.log(mixture.clamp_min(torch.finfo(mixture.dtype).tiny)), zero)
+    kl_teacher = torch.nan_to_num(teacher_probs * (safe_teacher - safe_mixture), nan=0.0)
+    kl_student = torch.nan_to_num(student_probs * (safe_student - safe_mixture), nan=0.0)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
+def _reduced(per_row: Tensor, rows: Tensor, reduction: str) -> Tensor:
+    """TRL's ``_reduce_divergence_loss`` over the rows that take part (``rows``): "mean" is its
+    batchmean, the sum over them divided by their count (at least 1)."""
+    per_row = torch.where(rows, per_row, 0.0)
+    if reduction == "none":
+        return per_row
+    total = per_row.sum()
+    return total / rows.sum().clamp_min(1) if reduction == "mean" else total
+
+
+def _check_teacher(name: str, teacher: Tensor, ids: Tensor) -> None:
+    if not isinstance(teacher, Tensor) or not teacher.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {type(teacher).__name__}")
+    if teacher.shape != ids.shape or teacher.device != ids.device:
+        raise ValueError(f"{name} must have shape {tuple(ids.shape)} on {ids.device}, got {tuple(teacher.shape)} "
+                         f"on {teacher.device}")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def fused_linear_sparse_kl(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_ids: Tensor,
+    teacher_log_probs: Tensor,
+    bias: Tensor | None = None,
+    *,
+    add_tail: bool = True,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """Forward KL(teacher || student) on the teacher's top-k ids, without the student's logits.
+
+    TRL 1.16's ``ServerDistillationTrainer._compute_server_forward_kl_loss`` (beta = 0). On row
+    n the support is its ids k with ``teacher_ids[n, k] != ignore_index`` and a teacher log-prob
+    above -inf; s_k = log_softmax(z_n)[t_nk] (z the student's logits, as in
+    ``fused_linear_log_probs``) and t_k the teacher's. With ``add_tail`` both get one more element,
+    the mass outside the support, log(1 - sum_k exp(.)) (the sum held at most exp(-1e-7)); without
+    it both are renormalised over the support, s_k - logsumexp(s) (then a top-1 support gives 0),
+    which depends on the K logits alone: no sweep of the vocabulary then, forward or backward.
+    The row's divergence is sum_k exp(t_k) (t_k - s_k) over those elements.
+
+    Normalisation: a row takes part when any of its ids is not ``ignore_index``; "mean" is the sum
+    of the rows' divergences divided by the number of rows that take part (at least 1: 0, not
+    NaN, without any), TRL's batchmean over the completion tokens; "sum" the sum; "none" per row
+    (the ids' leading shape, 0 on rows that do not take part).
+
+    Args:
+        hidden: (..., H); weight (V, H) and bias (V,) or None in its dtype (as the loss).
+        teacher_ids: (..., K) int64 (or int32) token ids, ``ignore_index`` where absent.
+        teacher_log_probs: (..., K) float, the teacher's log-probs of those ids (at the same
+            temperature); -inf where absent.
+        add_tail, temperature, logit_scale, softcap, ignore_index, reduction: as above and as in
+            ``fused_linear_log_probs``.
+
+    Returns:
+        The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias
+        (none to the teacher's log-probs, which are data).
+    """
+    _check_reduction(reduction)
+    if not isinstance(teacher_ids, Tensor) or not isinstance(hidden, Tensor) or teacher_ids.dim() != hidden.dim():
+        raise ValueError("teacher_ids must be a tensor of shape (..., K), hidden (..., H)")
+    _check_teacher("teacher_log_probs", teacher_log_probs, teacher_ids)
+    ignore_index = _checked_ignore_index(ignore_index)
+    student = _support_scores(hidden, weight, teacher_ids, bias, add_tail, temperature=temperature,
+                              logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
+    present = teacher_ids != ignore_index
+    teacher = teacher_log_probs.detach().to(student.dtype)
+    support = present & (teacher > float("-inf"))
+    student, teacher, support = _sparse_distributions(student, teacher, support, add_tail)
+    per_row = _divergence_on_support(student, teacher, 0.0, support).sum(-1)
+    return _reduced(per_row, present.any(-1), reduction)
+
+
+def fused_linear_top1_divergence(
+    hidden: Tensor,
+    weight: Tensor,
+    token_ids: Tensor,
+    teacher_token_log_probs: Tensor,
+    bias: Tensor | None = None,
+    *,
+    beta: float = 1.0,
+    teacher_top1_ids: Tensor | None = None,
+    teacher_top1_log_probs: Tensor | None = None,
+    add_tail: bool = True,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """The top-1 divergence of TRL 1.16's ``ServerDistillationTrainer`` (beta > 0), without the
+    student's logits: the reverse KL(student || teacher) at beta = 1 (TRL's default).
+
+    ``_compute_sparse_top_1_divergence_loss`` in "sampled" mode: at beta = 1 row n's support is
+    its sampled token x_n, with the student's log-prob s = log_softmax(z_n)[x_n] and the
+    teacher's ``teacher_token_log_probs[n]``; otherwise it is the teacher's top-1 id and x_n (x_n
+    left out where it is the top-1), with their teacher log-probs. With ``add_tail`` (TRL's
+    default) both distributions get the tail bucket log(1 - sum exp(.)) (at beta = 1: the
+    Bernoulli of x_n against the rest); without it both are renormalised over the support (then a
+    one-element support gives 0; no sweep of the vocabulary is needed). The row's divergence is
+    TRL's ``_jsd_divergence`` summed over those elements: sum p_s (log p_s - log p_t) at beta = 1,
+    the generalised JSD with the mixture beta p_t + (1 - beta) p_s otherwise.
+
+    Normalisation: a row takes part when ``token_ids[n] != ignore_index``; "mean" divides the sum
+    of their divergences by their count (at least 1), TRL's batchmean; "sum"; "none" per row.
+
+    Args:
+        hidden: (..., H); weight (V, H) and bias (V,) or None in its dtype (as the loss).
+        token_ids: hidden's leading shape (...,), int64 (or int32), the sampled tokens.
+        teacher_token_log_probs: (...,) float, the teacher's log-probs of those tokens, finite on
+            the rows that take part.
+        beta: in (0, 1]; below 1 ``teacher_top1_ids`` and ``teacher_top1_log_probs`` (...,) are
+            needed.
+        add_tail, temperature, logit_scale, softcap, ignore_index, reduction: as above and as in
+            ``fused_linear_log_probs``.
+
+    Returns:
+        The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias.
+    """
+    _check_reduction(reduction)
+    if not (isinstance(beta, (int, float)) and 0 < beta <= 1):
+        raise ValueError(f"beta must be in (0, 1], got {beta!r}")
+    if not isinstance(token_ids, Tensor):
+        raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
+    _check_teacher("teacher_token_log_probs", teacher_token_log_probs, token_ids)
+    ignore_index = _checked_ignore_index(ignore_index)
+    rows = token_ids != ignore_index
+    if beta == 1:
+        ids, support = token_ids[..., None], rows[..., None]
+        teacher = teacher_token_log_probs[..., None]
+    else:
+        if teacher_top1_ids is None or teacher_top1_log_probs is None:
+            raise ValueError("beta < 1 needs teacher_top1_ids and teacher_top1_log_probs")
+        _check_teacher("teacher_top1_log_probs", teacher_top1_log_probs, token_ids)
+        top1_ids = torch.where(rows, teacher_top1_ids, ignore_index)
+        support = torch.stack([rows, rows & (token_ids != top1_ids)], dim=-1)
+        ids = torch.where(support, torch.stack([top1_ids, token_ids], dim=-1), ignore_index)
+        teacher = torch.stack([teacher_top1_log_probs, teacher_token_log_probs], dim=-1)
+    student = _support_scores(hidden, weight, ids, bias, add_tail, temperature=temperature, logit_scale=logit_scale,
+                              softcap=softcap, ignore_index=ignore_index)
+    # (TRL sets the teacher's log-probs of the rows without a token to 0, so that no inf reaches the backward)
+    teacher = torch.where(rows[..., None], teacher.detach().to(student.dtype), 0.0)
+    student, teacher, support = _sparse_distributions(student, teacher, support, add_tail)
+    per_row = _divergence_on_support(student, teacher, float(beta), support).sum(-1)
+    return _reduced(per_row, rows, reduction)
