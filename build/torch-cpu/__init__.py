@@ -11,6 +11,7 @@ import importlib
 
 from . import causal_lm, layers, patching
 from .causal_lm import causal_lm_loss, token_metrics
+from .distillation import fused_linear_divergence
 from .interface import fused_linear_cross_entropy
 from .log_probs import TokenOutputs, fused_linear_log_probs
 from .patching import fused_forward, logit_options, patch_forward, unpatch_forward
@@ -20,6 +21,8 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
     "TokenOutputs",
+    # the student/teacher divergence of distillation (TRL's DistillationTrainer)
+    "fused_linear_divergence",
     # integrations: transformers causal LMs, kernels layers, training metrics
     "causal_lm",
     "causal_lm_loss",
