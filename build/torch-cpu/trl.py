@@ -16,6 +16,7 @@ import importlib.metadata
 
 from torch import Tensor
 
+from .distillation import use_in_distillation_trainer
 from .log_probs import fused_linear_log_probs
 
 __all__ = ["TESTED_TRL_VERSIONS", "use_in_trl"]
@@ -66,6 +67,7 @@ def use_in_trl(enabled: bool = True) -> None:
     contract was not tested (``TESTED_TRL_VERSIONS``)."""
     global _trl_own_kernel
     utils = _trl_utils()
+    use_in_distillation_trainer(enabled)  # DistillationTrainer's divergence: fused_linear_divergence
     if enabled and utils._ChunkedLogProbFunction is not FusedLogProbs:
         _trl_own_kernel = utils._ChunkedLogProbFunction
         utils._ChunkedLogProbFunction = FusedLogProbs
