@@ -214,6 +214,11 @@ class _FusedDivergence(torch.autograd.Function):
         return (*_recomputed(hidden, weight, bias, teacher, grad_divergence, ctx.spec, ctx.want), *nones)
 
 
+# Run eagerly under torch.compile (a graph break): the sweep's chunk loop, its host-side plan
+# and the backward's host read of the upstream gradient are not traceable as they are.
+_apply = torch.compiler.disable(_FusedDivergence.apply)
+
+
 def _recomputed(hidden, weight, bias, teacher, grad_divergence, spec: _Spec, want) -> tuple:
     """The gradients for any upstream [N]: the chunks of the rows whose upstream is not 0 again."""
     rows = (grad_divergence != 0).nonzero().squeeze(1)
@@ -309,7 +314,7 @@ def fused_linear_divergence(
     spec = _spec(beta, temperature, scales[0], _checked_softcap("student_softcap", student_softcap), scales[1],
                  _checked_softcap("teacher_softcap", teacher_softcap))
     leading = student_hidden.shape[:-1]
-    divergence, entropy = _FusedDivergence.apply(
+    divergence, entropy = _apply(
         student_hidden.reshape(-1, student_hidden.shape[-1]), student_weight, student_bias,
         teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).detach(), teacher_weight.detach(),
         None if teacher_bias is None else teacher_bias.detach(), spec)

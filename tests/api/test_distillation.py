@@ -189,3 +189,19 @@ def test_chunks_of_the_llama3_head(flce):
     assert chunk_rows(8192, 128256, 4096, torch.float32, torch.float32, True) == 512
     assert chunk_rows(8192, 128256, 4096, torch.float32, torch.bfloat16, False) == 512
     assert chunk_rows(100, 128256, 4096, torch.float32, torch.bfloat16, True) == 100
+
+
+def test_under_torch_compile(flce, path):
+    """Inside a compiled function the divergence runs eagerly (a graph break), with the same
+    values and gradients as the reference."""
+    student, teacher = make_pair(N_ROWS, torch.float32, path.device, seed=9)
+    expected, _, leaves = reference(student, teacher, 0.5)
+
+    def loss(hidden):
+        return 2 * flce.fused_linear_divergence(hidden, student[1], *teacher[:2], beta=0.5)[0].mean()
+
+    got = torch.compile(loss, backend="eager")(student[0])
+    assert_rel(got, 2 * expected.mean(), tolerance(torch.float32, "loss"), "compiled loss", floor=1.0)
+    got.backward()
+    (2 * expected.mean()).backward()
+    check_grads(student, leaves, torch.float32, "compiled")
