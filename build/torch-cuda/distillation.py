@@ -332,7 +332,13 @@ class TrlDivergence:
               student_logit_scale: float = 1.0, student_final_logit_softcapping: float | None = None,
               teacher_logit_scale: float = 1.0,
               teacher_final_logit_softcapping: float | None = None) -> tuple[Tensor, Tensor]:
-        """(per-token divergence, per-token student entropy) [N] of the rows TRL passes."""
+        """(per-token divergence, per-token student entropy) [N] of the rows TRL passes. Each
+        side's weight and bias take its hidden states' dtype, as TRL's kernel accepts them (a
+        teacher's fp32 master weight beside bf16 states, say; the cast is differentiable)."""
+        student_weight, student_bias, teacher_weight, teacher_bias = (
+            None if t is None else t.to(like.dtype) for t, like in (
+                (student_weight, student_hidden), (student_bias, student_hidden), (teacher_weight, teacher_hidden),
+                (teacher_bias, teacher_hidden)))
         return fused_linear_divergence(
             student_hidden, student_weight, teacher_hidden, teacher_weight, student_bias, teacher_bias, beta=beta,
             temperature=temperature, student_logit_scale=student_logit_scale,

@@ -66,6 +66,23 @@ def train(student_path, teacher, output_dir, beta: float, steps: int, use_in_trl
     return TrlRun(logs, params, [], kernel, [])
 
 
+def test_mixed_dtypes_as_trls_kernel_takes_them(flce, path):
+    """16-bit hidden states beside an fp32 weight (the student's) and the reverse (the teacher's):
+    the stand-in casts each weight to its hidden states' dtype and the weight's gradient comes
+    back in its own dtype, as with TRL's kernel."""
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(5, 16, generator=gen, dtype=torch.float16).to(path.device).requires_grad_()
+    weight = (torch.randn(40, 16, generator=gen) * 0.5).to(path.device).requires_grad_()
+    teacher = [torch.randn(5, 8, generator=gen).to(path.device),
+               torch.randn(40, 8, generator=gen, dtype=torch.float16).to(path.device)]
+    divergence, _ = flce.distillation.TrlDivergence.apply(hidden, weight, None, *teacher, None, 0.5)
+    divergence.sum().backward()
+    assert hidden.grad.dtype == torch.float16 and weight.grad.dtype == torch.float32
+    expected, _ = flce.fused_linear_divergence(hidden.detach(), weight.detach().half(), teacher[0],
+                                               teacher[1].float(), beta=0.5)
+    assert torch.equal(divergence, expected)
+
+
 def test_use_in_trl_swaps_the_divergence_and_back(flce):
     trls = distillation_trainer.ChunkedDivergenceFunction
     try:
@@ -92,11 +109,12 @@ def test_kernel_matches_trls(flce, path, beta, options):
     teacher = [torch.randn(n_rows, teacher_h, generator=gen), torch.randn(vocab, teacher_h, generator=gen) * 0.6,
                torch.randn(vocab, generator=gen)]
     upstream = torch.rand(n_rows, generator=gen)
-    results = []
-    for kernel in (distillation_trainer.ChunkedDivergenceFunction, flce.distillation.TrlDivergence):
-        leaves = [t.clone().to(path.device).requires_grad_() for t in student]
-        divergence, entropy = kernel.apply(*leaves, *(t.to(path.device) for t in teacher), beta, *options)
-        (divergence * upstream.to(path.device)).sum().backward()
+    results = []  # TRL's kernel on the CPU (PyTorch ops in fp32), ours on the path's device
+    for kernel, device in ((distillation_trainer.ChunkedDivergenceFunction, "cpu"),
+                           (flce.distillation.TrlDivergence, path.device)):
+        leaves = [t.clone().to(device).requires_grad_() for t in student]
+        divergence, entropy = kernel.apply(*leaves, *(t.to(device) for t in teacher), beta, *options)
+        (divergence * upstream.to(device)).sum().backward()
         results.append([divergence, entropy, *(t.grad for t in leaves)])
     tol = tolerance(torch.float32, "grad")  # two fp32 computations, sums in other orders
     for name, theirs, ours in zip(("divergence", "entropy", "hidden", "weight", "bias"), *results, strict=True):
