@@ -203,6 +203,11 @@ class _FusedDivergence(torch.autograd.Function):
             zeros = [torch.zeros_like(t) if w else None for w, t in zip(ctx.want, (hidden, weight, bias), strict=True)]
             return (*zeros, *nones)
         speculated, ctx.grads = ctx.grads, None  # (a second backward, retain_graph=True, recomputes)
+        if speculated is not None and not (ctx.want[1] or ctx.want[2]):
+            # grad_hidden alone (a frozen head, e.g. under LoRA): exact for any upstream, row by row
+            grad_hidden = speculated[0]
+            grad_hidden.mul_((grad_divergence / ctx.grad_scale).unsqueeze(-1).to(grad_hidden.dtype))
+            return (grad_hidden, None, None, *nones)
         low, high = torch.stack(torch.aminmax(grad_divergence)).tolist()
         _uniform_upstream = low == high
         if speculated is not None and low == high:

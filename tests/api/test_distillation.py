@@ -62,7 +62,7 @@ def reference(student, teacher, beta=1.0, temperature=1.0, student_logit_scale=1
 
 def check_grads(student, leaves, dtype, what):
     for name, got, ref in zip(("hidden", "weight", "bias"), student, leaves, strict=True):
-        if got is not None:
+        if got is not None and got.requires_grad:
             assert_rel(got.grad, ref.grad, tolerance(dtype, "grad"), f"{what} grad_{name}")
             got.grad = None
         if ref is not None:
@@ -123,6 +123,22 @@ def test_every_upstream(flce, tune, path):
     steps = [("sum over 7.5", lambda d: d.sum() / 7.5), ("masked", lambda d: (d * weights.to(d)).sum()),
              ("mean after masked", mean), ("mean", mean)]
     run_and_check(flce, student, teacher, expected, leaves, torch.float32, dict(beta=0.5), steps)
+
+
+def test_frozen_head_any_upstream(flce, tune, path):
+    """Gradients to the student's hidden states alone (its head frozen, as under LoRA): the
+    forward's rows, scaled by any per-token upstream, are exact."""
+    tune(chunk_rows=4)
+    student, teacher = make_pair(N_ROWS, torch.float32, path.device, seed=10)
+    student[1].requires_grad_(False)
+    *expected, leaves = reference(student, teacher, 0.5)
+    leaves[1].requires_grad_(False)
+    weights = masked_weights(N_ROWS, seed=5)
+    # (the mean first: after it the forwards make their gradients, whatever the tests before did)
+    steps = [("mean", mean), ("masked", lambda d: (d * weights.to(d)).sum()),
+             ("masked again", lambda d: d @ weights.to(d))]
+    run_and_check(flce, student, teacher, expected, leaves, torch.float32, dict(beta=0.5), steps)
+    assert submodule(flce, "distillation")._uniform_upstream  # no backward recomputed
 
 
 def test_leading_shape_no_grad_and_the_teacher_untouched(flce, path):
