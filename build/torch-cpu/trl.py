@@ -63,7 +63,8 @@ def use_in_trl(enabled: bool = True) -> None:
     Call it once, before or after building the trainer: every ``model(..., fused_lm_head=True)``
     from then on (SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer and the others that
     use ``add_fused_lm_head``) takes its per-token outputs from ``fused_linear_log_probs``, with
-    TRL's own masking, shifting and parameter gathering around it. Raises on a TRL version whose
+    TRL's own masking, shifting and parameter gathering around it. DistillationTrainer's divergence
+    kernel becomes ``fused_linear_divergence`` likewise. Raises on a TRL version whose
     contract was not tested (``TESTED_TRL_VERSIONS``)."""
     global _trl_own_kernel
     utils = _trl_utils()
