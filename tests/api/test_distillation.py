@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import DTYPES, assert_rel, submodule, tolerance
 
-N_ROWS, VOCAB, STUDENT_H, TEACHER_H = 9, 70, 16, 24
+N_ROWS, VOCAB, STUDENT_H, TEACHER_H = 9, 50, 16, 24
 
 OPTIONS = {
     "plain": {},

@@ -50,7 +50,7 @@ def train(student_path, teacher, output_dir, beta: float, steps: int, use_in_trl
     args = trl.DistillationConfig(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4, optim="sgd", learning_rate=0.5,
         logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
-        max_completion_length=6, temperature=0.9, beta=beta)
+        max_completion_length=6, temperature=0.9, beta=beta, gradient_checkpointing=False)  # (TRL's default: slow)
     if use_in_trl is not None:
         use_in_trl()
     try:
@@ -123,7 +123,7 @@ def test_kernel_matches_trls(flce, path, beta, options):
         assert err <= tol * max(scale, 1.0), f"{name}: {err:.3g} against TRL's kernel (scale {scale:.3g})"
 
 
-@pytest.mark.parametrize("beta, valid_rows_only, steps", [(0.5, False, 3), (1.0, True, 2)],
+@pytest.mark.parametrize("beta, valid_rows_only, steps", [(0.5, False, 3), (1.0, True, 3)],
                          ids=["jsd-masked-rows", "reverse-kl-valid-rows"])
 def test_trainer_trains_as_with_trls_kernel(flce, models, tmp_path, monkeypatch, beta, valid_rows_only, steps):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch path for CPU tensors
