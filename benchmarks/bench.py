@@ -442,6 +442,111 @@ def measure(fn, hidden, weight, targets, ref, rep_ms, warmup_ms=1000):
     return out
 
 
+# ---- distillation: the student/teacher divergence (TRL's DistillationTrainer) --------------
+# name: (student hidden, teacher hidden, vocab_size, n_tokens, beta), bf16. The student is the
+# Llama-3-8B head; beta 1 is TRL's default (reverse KL), 0.5 its JSD. Run with --rows NAME,...
+DISTILL_ROWS = {
+    f"distill-t{teacher}-b{beta:g}": (4096, teacher, 128256, 8192, beta)
+    for teacher in (4096, 8192) for beta in (1.0, 0.5)
+}
+DISTILL_METHODS = ["flce-distill", "trl-distill", "liger-jsd", "torch.compile-jsd"]
+
+
+def plain_jsd(student_logits, teacher_logits, beta: float):
+    """TRL's generalised JSD per row from materialised logits (in fp32): KL(q || p) at beta 0,
+    KL(p || q) at 1, else beta KL(q || m) + (1 - beta) KL(p || m), m = (1 - beta) p + beta q."""
+    lp, lq = student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1)
+    if beta == 0:
+        return F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
+    if beta == 1:
+        return F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
+    lm = torch.logsumexp(torch.stack([lp + math.log1p(-beta), lq + math.log(beta)]), dim=0)
+    return (beta * F.kl_div(lm, lq, reduction="none", log_target=True).sum(-1)
+            + (1 - beta) * F.kl_div(lm, lp, reduction="none", log_target=True).sum(-1))
+
+
+def make_distill_method(name: str, flce, beta: float):
+    """fn(h, w, (teacher_hidden, teacher_weight)) -> the mean divergence over the rows, as
+    TRL reduces it (its sum over the rows it passes, over their count)."""
+    if name == "flce-distill":
+        return lambda h, w, t: flce.fused_linear_divergence(h, w, *t, beta=beta)[0].sum() / h.shape[0]
+    if name == "trl-distill":
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+        def trl_divergence(h, w, t):
+            divergence, _ = ChunkedDivergenceFunction.apply(h, w, None, t[0], t[1], None, beta, 1.0, 1.0, None,
+                                                            1.0, None)
+            return divergence.sum() / h.shape[0]
+
+        return trl_divergence
+    if name == "liger-jsd":  # Liger's mean over the tokens; shift_labels (its 5th argument) None
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        jsd = LigerFusedLinearJSD(jsd_beta=beta, temperature=1.0)
+        return lambda h, w, t: jsd(h, w, t[0], t[1], None)
+    if name == "torch.compile-jsd":
+        return torch.compile(lambda h, w, t: plain_jsd(h @ w.T, t[0] @ t[1].T, beta).mean(), dynamic=False)
+    raise ValueError(name)
+
+
+def distill_reference(hidden, weight, teacher, beta: float, dtype=torch.float32, rows=1024):
+    """(mean divergence, grad_hidden, grad_weight) in ``dtype`` from materialised logits, chunked over rows."""
+    w = weight.to(dtype).requires_grad_()
+    teacher_weight = teacher[1].to(dtype)
+    loss = torch.zeros((), device=hidden.device, dtype=dtype)
+    grad_h = torch.empty(hidden.shape, device=hidden.device, dtype=dtype)
+    for start in range(0, hidden.shape[0], rows):
+        h = hidden[start:start + rows].to(dtype).requires_grad_()
+        part = plain_jsd(h @ w.T, teacher[0][start:start + rows].to(dtype) @ teacher_weight.T, beta).sum()
+        part = part / hidden.shape[0]
+        part.backward()
+        grad_h[start:start + rows] = h.grad
+        loss += part.detach()
+    return loss, grad_h, w.grad
+
+
+def distill_row(row: str, flce, args, result: dict) -> None:
+    """Times the distillation methods on ``row`` (``measure``: the teacher's hidden states and
+    weight ride as its ``targets``) and appends their entries to ``result``."""
+    student_h, teacher_h, vocab_size, n_tokens, beta = DISTILL_ROWS[row]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def head(h):  # logits of a few units, as a trained head's
+        hidden = torch.randn(n_tokens, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+        weight = torch.randn(vocab_size, h, device="cuda", generator=gen, dtype=torch.bfloat16) * (2 / h**0.5)
+        return hidden, weight
+
+    hidden, weight = head(student_h)
+    teacher = head(teacher_h)
+    ref = distill_reference(hidden, weight, teacher, beta)
+    # 2 N V (Hs + Ht) for both logits, 4 N V Hs for the student's two gradient products
+    floor_flops = 2 * n_tokens * vocab_size * (student_h + teacher_h) + 4 * n_tokens * vocab_size * student_h
+    names = [m for m in args.distill_methods.split(",") if m]
+    for name in names:
+        t0 = time.time()
+        try:
+            out = measure(make_distill_method(name, flce, beta), hidden, weight, teacher, ref, args.rep_ms,
+                          args.warmup_ms)
+            out["step_tflops_floor"] = floor_flops / out["step_ms"] / 1e9
+        except ImportError as e:
+            out = {"error": f"skipped: {e}"[:200]}
+        except torch.OutOfMemoryError as e:
+            out = {"error": f"out of memory: {e}"[:200]}
+        except Exception as e:  # a peer failing on a shape is a result, not a crash
+            out = {"error": f"{type(e).__name__}: {e}"[:300]}
+        torch.cuda.empty_cache()
+        out["wall_s"] = time.time() - t0
+        entry = {"row": row, "inputs": "randn", "hidden_size": student_h, "teacher_hidden_size": teacher_h,
+                 "vocab_size": vocab_size, "n_tokens": n_tokens, "beta": beta, "dtype": "bfloat16",
+                 "method": name, "reference": "float32", **out}
+        result["results"].append(entry)
+        print(json.dumps(entry), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    del hidden, weight, teacher, ref
+    torch.cuda.empty_cache()
+
+
 def kernel_breakdown(step, steps: int = 3) -> dict:
     """Where a step's GPU time goes: per kernel (grouped by name) the milliseconds a step, the
     union of kernel intervals (busy) and the span from the first kernel's start to the last's end."""
@@ -663,6 +768,8 @@ def main():
     parser.add_argument("--sparse-rows", default="",
                         help="sparse distillation rows (top-k teacher targets): " + ", ".join(SPARSE_ROWS))
     parser.add_argument("--out", default=None, help="JSON file to write (results appended per row)")
+    parser.add_argument("--distill-methods", default=",".join(DISTILL_METHODS),
+                        help="methods of the distillation rows (--rows " + ", ".join(DISTILL_ROWS) + ")")
     parser.add_argument("--base", default=None,
                         help="another checkout (e.g. from scripts/export_build) whose build is timed too, as the "
                              "methods NAME@base for the BASE_METHODS among --methods, laps alternating")
@@ -688,6 +795,9 @@ def main():
             result.setdefault("skipped", {})[name] = str(e)
 
     for row in args.rows.split(","):
+        if row in DISTILL_ROWS:  # the student/teacher divergence: a block of its own
+            distill_row(row, flce, args, result)
+            continue
         hidden_size, vocab_size, n_tokens, dtype = ROWS[row]
         for kind in args.inputs.split(","):
             if kind == "uniform" and row not in args.uniform_rows.split(","):

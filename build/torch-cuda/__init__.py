@@ -9,6 +9,7 @@ the package itself imports neither TRL nor transformers.
 
 from . import causal_lm, layers, patching
 from .causal_lm import causal_lm_loss, token_metrics
+from .distillation import fused_linear_divergence
 from .interface import fused_linear_cross_entropy
 from .log_probs import TokenOutputs, fused_linear_log_probs
 from .patching import fused_forward, logit_options, patch_forward, unpatch_forward
@@ -19,6 +20,8 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_log_probs",
     "TokenOutputs",
+    # the student/teacher divergence of distillation (TRL's DistillationTrainer)
+    "fused_linear_divergence",
     # top-k distillation on sparse teacher targets
     "fused_linear_sparse_kl",
     "fused_linear_top1_divergence",

@@ -17,6 +17,7 @@ import importlib.metadata
 import torch
 from torch import Tensor
 
+from .distillation import use_in_distillation_trainer
 from .log_probs import fused_linear_log_probs
 
 __all__ = ["TESTED_TRL_VERSIONS", "use_in_trl"]
@@ -78,10 +79,12 @@ def use_in_trl(enabled: bool = True) -> None:
     Call it once, before or after building the trainer: every ``model(..., fused_lm_head=True)``
     from then on (SFTTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RLOOTrainer and the others that
     use ``add_fused_lm_head``) takes its per-token outputs from ``fused_linear_log_probs``, with
-    TRL's own masking, shifting and parameter gathering around it. Raises on a TRL version whose
+    TRL's own masking, shifting and parameter gathering around it. DistillationTrainer's divergence
+    kernel becomes ``fused_linear_divergence`` likewise. Raises on a TRL version whose
     contract was not tested (``TESTED_TRL_VERSIONS``)."""
     global _trl_own_kernel
     utils = _trl_utils()
+    use_in_distillation_trainer(enabled)  # DistillationTrainer's divergence: fused_linear_divergence
     if enabled and utils._ChunkedLogProbFunction is not FusedLogProbs:
         _trl_own_kernel = utils._ChunkedLogProbFunction
         utils._ChunkedLogProbFunction = FusedLogProbs
