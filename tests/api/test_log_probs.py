@@ -313,11 +313,15 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
     log_prob_weight, entropy_weight = log_prob_weight.to(path.device), entropy_weight.to(path.device)
     backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
     rows = {"kept": 0, "recomputed": 0}
-    for name, key in (("grad_from_kept", "kept"), ("grad_logits", "recomputed")):
-        def counted(buffer_or_hidden, *a, _f=getattr(backend, name), _key=key, **k):
-            rows[_key] += buffer_or_hidden.shape[0]
-            return _f(buffer_or_hidden, *a, **k)
-        monkeypatch.setattr(backend, name, counted)
+
+    def counting(function, key):  # (a kept chunk's buffer, a recomputed chunk's hidden rows: rows x ...)
+        def counted(rows_first, *a, **k):
+            rows[key] += rows_first.shape[0]
+            return function(rows_first, *a, **k)
+        return counted
+
+    monkeypatch.setattr(backend, "grad_from_kept", counting(backend.grad_from_kept, "kept"))
+    monkeypatch.setattr(backend, "grad_logits", counting(backend.grad_logits, "recomputed"))
 
     def loss():
         out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=("log_probs", "entropy"),
