@@ -907,7 +907,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
         _factored_chunks(step)
     elif step.training:
         _stored_chunks(step)
-    elif keep and shard is None and hidden.shape[0] > 0:
+    elif keep and shard is None and hidden.shape[0] > 0 and settings().keep_mib != 0:  # (0: as without keep)
         kept = _kept_chunks(step)
     else:
         _statistics_chunks(step)

@@ -231,14 +231,19 @@ def test_unequal_weights_after_the_sweep_recompute(flce):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_outputs_bit_identical_with_or_without_gradients(flce, dtype):
+@pytest.mark.parametrize("grad_in_forward", [None, False], ids=["sweep-gradients", "kept-rows"])
+def test_outputs_bit_identical_with_or_without_gradients(flce, tune, dtype, grad_in_forward):
+    """The same outputs without gradients, with the sweep's gradients, and with rows kept for the
+    backward (the first 13 here: a chunk of 8 and one that the budget cuts)."""
+    if grad_in_forward is False:
+        tune(chunk_rows=8, keep_mib=1, keep_rows=13)
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=8, ignore=0.2)
     outputs = ("log_probs", "entropy", "is_top1")
     submodule(flce, "_ops")._uniform_grads.pop("entropy,is_top1,log_probs", None)  # the sweep computes gradients
     with torch.no_grad():
         plain = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
     assert submodule(flce, "_ops").speculates("entropy,is_top1,log_probs")
-    trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
+    trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs, grad_in_forward=grad_in_forward)
     assert trained.log_probs.requires_grad and trained.entropy.requires_grad
     for name in outputs:
         assert torch.equal(getattr(plain, name), getattr(trained, name).detach()), name
