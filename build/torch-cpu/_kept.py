@@ -40,8 +40,8 @@ dispatch on a CPU) in the inputs' dtype:
 which is within 1.1% under the peaks measured on an H200 (bf16, N = 8192: Llama-3 3454 vs 3493
 MiB, Gemma-2 3739 vs 3761, Qwen-2.5 3542 vs 3577). Ours is the gradients, (V + N) H e, plus, where
 rows are recomputed, a training chunk (``backend.chunk_bytes``) and, per kept row, its
-``kept_row_bytes`` and the products' gathered rows (2 H e). ``keep_mib`` (FLCE_KEEP_MIB) sets the
-budget instead, 0 turns it off.
+``kept_row_bytes`` and the products' gathered rows (2 H e); MARGIN_BYTES stay free for the rest.
+``keep_mib`` (FLCE_KEEP_MIB) sets the budget instead, 0 turns it off.
 
 Not under vocabulary parallelism: the per-token outputs have no vocabulary-parallel form (their
 function takes no process group), so there are no sharded rows to keep. Not while traced
@@ -58,6 +58,9 @@ from ._settings import current as settings
 # TRL's head's projection tile (see the module docstring): rows, and the glue's chunk_size columns.
 TRL_TILE_ROWS = 4096
 TRL_TILE_COLUMNS = 32768
+# Left free of kept rows under TRL's peak: the step's tensors that the budget does not count one by
+# one (per-row vectors, the backward's row order, the products' fp32 blocks), a few MiB each.
+MARGIN_BYTES = 64 * 2**20
 
 
 def trl_peak_bytes(n_rows: int, vocab_size: int, hidden_size: int, element_size: int) -> int:
@@ -77,7 +80,7 @@ def budgets(n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
         return tuning.keep_mib * 2**20, tuning.keep_mib * 2**20
     element_size = torch.finfo(dtype).bits // 8
     our_grads = (vocab_size + n_rows) * hidden_size * element_size
-    room = trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads
+    room = trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads - MARGIN_BYTES
     return max(0, room), max(0, room - recompute_chunk_bytes)
 
 
