@@ -816,59 +816,6 @@ def _stored_chunks(step: _ForwardStep) -> None:
             gradients.add(start, end, hidden_c, grad_logits, step.weight)
 
 
-def _kept_chunks(step: _ForwardStep) -> _kept.KeptRows:
-    """A per-token forward whose backward will want gradients: as ``_statistics_chunks``, but its
-    first rows, as many as ``_kept.budgets`` allows, are swept into buffers that the backward
-    makes their grad logits from (``_kept``); a chunk that the budget cuts is swept in two."""
-    backend, opts, hidden = step.backend, step.opts, step.hidden
-    n_rows, hidden_size = hidden.shape
-    recompute_chunk = _plan_chunk(backend, n_rows, step.vocab_size, hidden_size, hidden.dtype, True, None,
-                                  weight_grad=True)
-    recompute_bytes = (backend.chunk_bytes(recompute_chunk, step.vocab_size, hidden.dtype, hidden_size)
-                       or 2 * recompute_chunk * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
-    # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
-    row_bytes = backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap) + 2 * hidden_size * \
-        hidden.element_size()
-    kept = _kept.KeptRows(row_bytes, _kept.budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype,
-                                                   recompute_bytes))
-    # The factored sweep's exponentials where the step takes references, as the statistics without a
-    # buffer then do (the same outputs); that sweep has no room for the logit sum or the squares.
-    exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
-    keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
-    for start, end, hidden_c, targets_c, _, _ in step.chunks():
-        if start > 0 and step.row_order is not None:
-            keep = max(keep, kept.rows_to_keep(step.row_order.rows_to_compute()))
-        cut = min(max(keep, start), end)
-        if cut > start:
-            rows = slice(0, cut - start)
-            buffer = backend.new_buffer(cut - start, step.vocab_size, hidden.dtype, hidden.device)
-            reference = step.reference_of(start, cut)
-            if reference is None and step.referenced:
-                reference = backend.row_reference(hidden_c[rows], step.weight, targets_c[rows], opts)
-            row_ref = reference[0] if exponentials else None
-            target_logit = (reference[1] if reference is not None
-                            else None if step.target_logits is None else step.target_logits[start:cut])
-            has_target = (targets_c[rows] != opts.ignore_index).float()  # (the exponentials' rows kept at all)
-            stats, state = backend.row_stats(
-                hidden_c[rows], step.weight, step.bias, targets_c[rows], opts, buffer, row_ref=row_ref,
-                loss_grad=has_target, class_weight=step.local_class_weight, target_logit=target_logit,
-                return_metrics=step.return_metrics, logit_sum=step.logit_sum, sum_sq=step.sum_sq)
-            step.finish(stats, start, cut)
-            kept.parts.append(_kept.KeptPart(start, cut, buffer, state, row_ref))
-            kept.count = cut
-        if cut < end:
-            rest = slice(cut - start, end - start)
-            stats, _, _ = step.row_stats(cut, end, hidden_c[rest], targets_c[rest], None, None)
-            step.finish(stats, cut, end)
-    row_order = step.row_order
-    if row_order is not None:
-        # A first chunk planned before the count was known may end in rows without a target: not kept.
-        kept.trim(row_order.rows_to_compute())
-        if kept.count > row_order.in_place:
-            kept.rows = row_order.order[: kept.count]
-    return kept
-
-
 def unit_columns(t: torch.Tensor) -> torch.Tensor:
     """``t`` [rows, C], copied where its columns are not adjacent (a transposed view): the logit
     kernels read rows of unit column stride. Taken once a call, not once a chunk."""
@@ -908,7 +855,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     elif step.training:
         _stored_chunks(step)
     elif keep and shard is None and hidden.shape[0] > 0 and settings().keep_mib != 0:  # (0: as without keep)
-        kept = _kept_chunks(step)
+        kept = _kept.forward_chunks(step)
     else:
         _statistics_chunks(step)
     grads_out = step.gradients.finish(hidden.dtype, bias, step.backend, step.slice_targets)
@@ -978,41 +925,6 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
     )
 
 
-class _KeptFirstOrder(_RowOrder):
-    """A backward's row order with the kept rows first (``_kept.first_order``): positions
-    [0, kept) are the kept rows, [kept, count) the rows recomputed."""
-
-    def __init__(self, kept: _kept.KeptRows, n_rows: int, row_grads: list):
-        self.order, self.count = _kept.first_order(kept, n_rows, row_grads)
-        self.n_rows = n_rows
-        self.kept_in_place = kept.rows is None
-        self.in_place = kept.count if self.kept_in_place else 0
-        self._count, self._ready = copy_to_host(self.count)
-
-    def rows_to_compute(self) -> int:
-        if self._ready is not None:
-            self._ready.synchronize()
-        total = int(self._count)
-        if total == self.n_rows and self.kept_in_place:  # kept rows [0, k), every other row recomputed
-            self.in_place = total
-        return total
-
-
-def _kept_grads(kept: _kept.KeptRows, backend, row_order: _RowOrder, gradients: _Gradients, hidden, weight,
-                per_row: tuple, opts: LossOptions) -> None:
-    """The kept rows' share of a backward: each kept part's grad logits from its buffer (in place,
-    ``grad_from_kept``) and the two products; the parts' buffers are released as they are used."""
-    while kept.parts:
-        part = kept.parts.pop(0)  # (positions of the forward's order: the backward's first rows, the same order)
-        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
-            _chunk_of(t, row_order, part.start, part.end) for t in (hidden, *per_row))
-        grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c, loss_grad_c,
-                                             lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
-        start, end, part = part.start, part.end, None
-        gradients.add(start, end, hidden_c, grad_logits, weight)
-        grad_logits = None
-
-
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
              grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None,
              entropy_grad: torch.Tensor | None = None, kept: _kept.KeptRows | None = None):
@@ -1037,13 +949,11 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.shape[1], hidden.dtype, True, shard, weight_grad=grads[1])
     row_grads = [loss_grad, lse_grad, smooth_grad, entropy_grad]
     if kept is not None:
-        row_order = _KeptFirstOrder(kept, n_rows, row_grads)
-        n_chunks = len(kept.parts) + _cdiv(n_rows - kept.count, chunk)
-        gradients = _Gradients(hidden, vocab_size, grads, chunk, n_chunks, row_order, shard)
-        _kept_grads(kept, backend, row_order, gradients, hidden, weight,
-                    (targets, lse, loss_grad, lse_grad, entropy_grad), opts)
-        _recomputed_rows(backend, row_order, kept.count, gradients, chunk, hidden, weight, bias, opts,
-                         (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_class_weight)
+        row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
+        gradients = _Gradients(hidden, vocab_size, grads, chunk, len(kept.parts) + _cdiv(n_rows - kept.count, chunk),
+                               row_order, shard)
+        _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
+                       (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_class_weight)
         return gradients.finish(hidden.dtype, bias, backend)
     # Under vocabulary parallelism every row is computed: the ranks' chunks must match.
     row_order = None if shard is not None or n_rows == 0 else _rows_with_gradient(backend, row_grads)
@@ -1062,21 +972,3 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
             )
             gradients.add(start, end, hidden_c, grad_logits, weight)
     return gradients.finish(hidden.dtype, bias, backend)
-
-
-def _recomputed_rows(backend, row_order: _KeptFirstOrder, start: int, gradients: _Gradients, chunk: int, hidden,
-                     weight, bias, opts: LossOptions, per_row: tuple, class_weight) -> None:
-    """The rows after the kept ones, positions [start, count) of ``row_order``, by recomputation, in
-    chunks of at most ``chunk`` rows (the count read once the kept rows' work is queued)."""
-    rest = row_order.rows_to_compute() - start
-    if rest <= 0:
-        return
-    buffer = backend.new_buffer(min(chunk, rest), weight.shape[0], hidden.dtype, hidden.device)
-    for first, last in _spans(rest, chunk, None, min(chunk, rest)):
-        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, smooth_grad_c, entropy_grad_c = (
-            _chunk_of(t, row_order, start + first, start + last) for t in (hidden, *per_row))
-        grad_logits = backend.grad_logits(
-            hidden_c, weight, bias, targets_c, lse_c, loss_grad_c, lse_grad_c, opts, buffer[: last - first],
-            gradients.bias_acc, class_weight, smooth_grad_c, entropy_grad_c,
-        )
-        gradients.add(start + first, start + last, hidden_c, grad_logits, weight)

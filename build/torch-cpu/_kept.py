@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _chunked
 from ._settings import current as settings
 
 # TRL's head's projection tile (see the module docstring): rows, and the glue's chunk_size columns.
@@ -151,3 +152,126 @@ def first_order(kept: KeptRows, n_rows: int, row_grads: list[torch.Tensor | None
     if kept.rows is not None:  # (the stable sort has them in ascending order, not the forward's)
         order = torch.cat([kept.rows, order[kept.count:]])
     return order, (group < 2).sum().reshape(1)
+
+
+def forward_chunks(step) -> "KeptRows":
+    """The chunks of a per-token forward (``_chunked._ForwardStep``) whose backward will want
+    gradients: as ``_chunked._statistics_chunks``, but its first rows, as many as ``budgets``
+    allows, are swept into buffers that the backward makes their grad logits from; a chunk that
+    the budget cuts is swept in two."""
+    backend, opts, hidden = step.backend, step.opts, step.hidden
+    n_rows, hidden_size = hidden.shape
+    recompute_chunk = _chunked._plan_chunk(backend, n_rows, step.vocab_size, hidden_size, hidden.dtype, True,
+                                           None, weight_grad=True)
+    recompute_bytes = (backend.chunk_bytes(recompute_chunk, step.vocab_size, hidden.dtype, hidden_size)
+                       or 2 * recompute_chunk * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
+    # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
+    row_bytes = (backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap)
+                 + 2 * hidden_size * hidden.element_size())
+    kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes))
+    # The factored sweep's exponentials where the step takes references, as the statistics without a
+    # buffer then do (the same outputs); that sweep has no room for the logit sum or the squares.
+    exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
+    keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
+    for start, end, hidden_c, targets_c, _, _ in step.chunks():
+        if start > 0 and step.row_order is not None:
+            keep = max(keep, kept.rows_to_keep(step.row_order.rows_to_compute()))
+        cut = min(max(keep, start), end)
+        if cut > start:
+            rows = slice(0, cut - start)
+            buffer = backend.new_buffer(cut - start, step.vocab_size, hidden.dtype, hidden.device)
+            reference = step.reference_of(start, cut)
+            if reference is None and step.referenced:
+                reference = backend.row_reference(hidden_c[rows], step.weight, targets_c[rows], opts)
+            row_ref = reference[0] if exponentials else None
+            target_logit = (reference[1] if reference is not None
+                            else None if step.target_logits is None else step.target_logits[start:cut])
+            has_target = (targets_c[rows] != opts.ignore_index).float()  # (the exponentials' rows kept at all)
+            stats, state = backend.row_stats(
+                hidden_c[rows], step.weight, step.bias, targets_c[rows], opts, buffer, row_ref=row_ref,
+                loss_grad=has_target, class_weight=step.local_class_weight, target_logit=target_logit,
+                return_metrics=step.return_metrics, logit_sum=step.logit_sum, sum_sq=step.sum_sq)
+            step.finish(stats, start, cut)
+            kept.parts.append(KeptPart(start, cut, buffer, state, row_ref))
+            kept.count = cut
+        if cut < end:
+            rest = slice(cut - start, end - start)
+            stats, _, _ = step.row_stats(cut, end, hidden_c[rest], targets_c[rest], None, None)
+            step.finish(stats, cut, end)
+    row_order = step.row_order
+    if row_order is not None:
+        # A first chunk planned before the count was known may end in rows without a target: not kept.
+        kept.trim(row_order.rows_to_compute())
+        if kept.count > row_order.in_place:
+            kept.rows = row_order.order[: kept.count]
+    return kept
+
+
+class KeptFirstOrder:
+    """A backward's row order with the kept rows first (``first_order``), as ``_chunked._RowOrder``
+    serves the chunk loop: positions [0, kept) are the kept rows, [kept, count) the rows recomputed."""
+
+    def __init__(self, kept: "KeptRows", n_rows: int, row_grads: list):
+        self.order, self.count = first_order(kept, n_rows, row_grads)
+        self.n_rows = n_rows
+        self.kept_in_place = kept.rows is None
+        self.in_place = kept.count if self.kept_in_place else 0
+        self._count, self._ready = _chunked.copy_to_host(self.count)
+
+    def take(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the order, of ``t`` [N, ...]."""
+        return t[start:end] if end <= self.in_place else t.index_select(0, self.order[start:end])
+
+    def rows_to_compute(self) -> int:
+        """Positions of the order computed, kept or recomputed (waits for their count)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        total = int(self._count)
+        if total == self.n_rows and self.kept_in_place:  # kept rows [0, k), every other row recomputed
+            self.in_place = total
+        return total
+
+
+def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients, hidden, weight, per_row: tuple,
+                opts) -> None:
+    """The kept rows' share of a backward: each kept part's grad logits from its buffer (in place,
+    ``grad_from_kept``) and the two products; the parts' buffers are released as they are used."""
+    while kept.parts:
+        part = kept.parts.pop(0)  # (positions of the forward's order: the backward's first rows, the same order)
+        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
+            _chunked._chunk_of(t, row_order, part.start, part.end) for t in (hidden, *per_row))
+        grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c, loss_grad_c,
+                                             lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
+        start, end, part = part.start, part.end, None
+        gradients.add(start, end, hidden_c, grad_logits, weight)
+        grad_logits = None
+
+
+def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, chunk: int, hidden, weight, bias,
+                     opts, per_row: tuple, class_weight) -> None:
+    """The rows after the kept ones, positions [start, count) of ``row_order``, by recomputation, in
+    chunks of at most ``chunk`` rows (the count read once the kept rows' work is queued)."""
+    rest = row_order.rows_to_compute() - start
+    if rest <= 0:
+        return
+    buffer = backend.new_buffer(min(chunk, rest), weight.shape[0], hidden.dtype, hidden.device)
+    for first, last in _chunked._spans(rest, chunk, None, min(chunk, rest)):
+        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, smooth_grad_c, entropy_grad_c = (
+            _chunked._chunk_of(t, row_order, start + first, start + last) for t in (hidden, *per_row))
+        grad_logits = backend.grad_logits(
+            hidden_c, weight, bias, targets_c, lse_c, loss_grad_c, lse_grad_c, opts, buffer[: last - first],
+            gradients.bias_acc, class_weight, smooth_grad_c, entropy_grad_c,
+        )
+        gradients.add(start + first, start + last, hidden_c, grad_logits, weight)
+
+
+def backward(kept: KeptRows, backend, row_order: KeptFirstOrder, gradients, chunk: int, hidden, weight, bias, opts,
+             per_row: tuple, class_weight) -> None:
+    """A per-token backward with kept rows (``_chunked.backward``): the kept rows from their buffers,
+    then the other rows with a gradient by recomputation, into ``gradients`` (``_chunked._Gradients``);
+    ``per_row``: (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad) [N], None where absent."""
+    targets, lse, loss_grad, lse_grad, _, entropy_grad = per_row
+    _kept_grads(kept, backend, row_order, gradients, hidden, weight, (targets, lse, loss_grad, lse_grad, entropy_grad),
+                opts)
+    _recomputed_rows(backend, row_order, kept.count, gradients, chunk, hidden, weight, bias, opts, per_row,
+                     class_weight)
