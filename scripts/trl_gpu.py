@@ -1,6 +1,6 @@
 """TRL's trainers on CUDA with fused-linear-ce's head (``flce.trl.use_in_trl()``) against TRL's own.
 
-1. The trainer checks of tests/test_trl.py (SFT, DPO, KTO, GRPO, RLOO on a tiny random Llama),
+1. The trainer checks of tests/integrations/test_trl.py (SFT, DFT, DPO, KTO, GRPO, RLOO on a tiny random Llama),
    with a float32 model under ``bf16=True`` autocast, as TRL and transformers train in bf16.
 2. One SFTTrainer step on a 2-layer Llama-3-shaped model (vocab 128256, hidden 4096, intermediate
    14336, 32 heads, 8 kv heads, bf16 weights, batch 4 x 2048 random tokens with a quarter of the
@@ -269,7 +269,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the JSON to write")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the logic")
-    parser.add_argument("--trainers", default="sft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
+    parser.add_argument("--trainers", default="sft,dft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
     parser.add_argument("--no-checks", action="store_true", help="skip part 1")
     parser.add_argument("--no-timing", action="store_true", help="skip part 2")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (3; 1 with --cpu-smoke)")
