@@ -233,7 +233,107 @@ def per_row_loss(flce):
     return loss
 
 
+# ---- TRL's per-token trainers' heads, with kept rows on and off ---------------------------
+# DPO, KTO, RLOO, SFT's DFT and GRPO (with and without its entropy bonus): per-token upstream
+# gradients, so that both kernels' backwards recompute the logits (8 N V H) but for the rows that
+# fused-linear-ce keeps (``_kept``: 6 N V H). Each with TRL's kernel (trl-KIND), ours at the default
+# budget (flce-KIND) and ours with FLCE_KEEP_MIB=0 (flce-KIND-keep0: every row recomputed, as before).
+# Sequences of 512 tokens; DPO pairs them (chosen, rejected) and KTO labels them (desirable or not),
+# so that their upstream gradient is constant within a sequence.
+TOKEN_TRAINERS = {
+    "dpo": dict(outputs=("log_probs", "entropy", "mean_logits", "is_top1"), temperature=1.0),
+    "kto": dict(outputs=("log_probs", "entropy", "mean_logits"), temperature=1.0),
+    "rloo": dict(outputs=("log_probs", "entropy"), temperature=GRPO_TEMPERATURE),
+    "dft": dict(outputs=("log_probs", "entropy", "is_top1"), temperature=1.0),
+}
+PREFERENCE_BETA = 0.1
+RLOO_BETA = 0.04  # the KL to a reference model's log-probs (its k3 estimator), per token
+KEPT_METHODS = [f"{head}-{kind}{budget}" for kind in TOKEN_TRAINERS for head, budget in
+                (("trl", ""), ("flce", ""), ("flce", "-keep0"))] + ["flce-grpo-keep0", "flce-grpo-coef0-keep0"]
+METHODS += KEPT_METHODS
+OTHER_LOSS = (*OTHER_LOSS, *KEPT_METHODS)
+
+
+def _per_sequence(values: torch.Tensor, seq_len: int = 512) -> torch.Tensor:
+    """Sums [N / seq_len] of consecutive ``seq_len`` rows of ``values`` [N] (zero-padded at the end)."""
+    pad = -values.shape[0] % seq_len
+    return torch.cat([values, values.new_zeros(pad)]).view(-1, seq_len).sum(-1)
+
+
+def token_trainer_loss(apply, kind: str):
+    """A TRL trainer's loss through its fused LM head (as ``trl_head``) for ``kind`` of
+    TOKEN_TRAINERS: DPO's -log sigmoid(beta (margin - reference margin)) over (chosen, rejected)
+    sequence pairs; KTO's 1 - sigmoid(beta (+-(log ratio - KL))) per labelled sequence, the KL
+    detached; RLOO's advantage-weighted log-probs with the KL to a reference's log-probs; SFT's DFT
+    loss, -log p weighted by the detached p."""
+    outputs, temperature = TOKEN_TRAINERS[kind]["outputs"], TOKEN_TRAINERS[kind]["temperature"]
+    fixed = {}
+
+    def constants(n_rows, device):  # the reference model's offsets and the advantages, fixed per shape
+        if n_rows not in fixed:
+            g = torch.Generator(device=device).manual_seed(2)
+            n_seq = -(-n_rows // 512)
+            fixed[n_rows] = dict(seq_offset=torch.randn(n_seq, generator=g, device=device),
+                                 token_offset=0.1 * torch.randn(n_rows, generator=g, device=device),
+                                 advantages=_advantages(n_rows, device))
+        return fixed[n_rows]
+
+    def loss(h, w, t):
+        mask = t != -100
+        per_token = apply(h[mask], w, None, t[mask], temperature, 32768, None, 1.0, outputs)
+        log_probs, entropy, _, mean_logits, is_top1 = (
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
+        _ = entropy.detach().sum(), None if mean_logits is None else mean_logits.sum()  # the trainers' metrics
+        c, n = constants(t.shape[0], t.device), mask.sum().clamp(min=1)
+        if kind == "dft":
+            return -(log_probs * log_probs.detach().exp()).sum() / n
+        # the reference model's log-probs: the policy's, detached, moved by fixed offsets (a policy
+        # near its reference, so that the sigmoids and the KL do not saturate)
+        if kind == "rloo":
+            log_ratio = log_probs.detach() + c["token_offset"] - log_probs
+            kl = torch.where(mask, log_ratio.exp() - log_ratio - 1, 0.0)
+            return (-(log_probs * c["advantages"]) + RLOO_BETA * kl).sum() / n
+        sums = _per_sequence(log_probs)
+        margins = sums - (sums.detach() + c["seq_offset"])
+        if kind == "dpo":
+            chosen, rejected = margins[0::2], margins[1::2]
+            return -F.logsigmoid(PREFERENCE_BETA * (chosen - rejected[:chosen.shape[0]])).mean()
+        desirable = torch.arange(margins.shape[0], device=t.device) % 2 == 0
+        kl = margins.detach().mean().clamp(min=0)
+        sign = torch.where(desirable, 1.0, -1.0)
+        return (1 - torch.sigmoid(PREFERENCE_BETA * sign * (margins - kl))).mean()
+
+    return loss
+
+
+def without_kept_rows(flce, loss):
+    """``loss`` with FLCE_KEEP_MIB=0 (every row of the per-token backward recomputed)."""
+    settings = sys.modules[flce.__name__ + "._settings"]
+
+    def call(h, w, t):
+        with settings.override(keep_mib=0):
+            return loss(h, w, t)
+
+    return call
+
+
+def kept_method(name: str, flce, zero_advantages: float = 0.0):
+    """The KEPT_METHODS: ``token_trainer_loss`` (or ``trl_head`` for GRPO) with TRL's kernel or ours."""
+    head, rest = name.split("-", 1)
+    kind = rest.removesuffix("-keep0")
+    if head == "trl":
+        from trl.kernels import ChunkedLogProbFunction
+
+        apply = ChunkedLogProbFunction.apply
+    else:
+        apply = flce.trl.FusedLogProbs.apply
+    loss = trl_head(apply, kind, zero_advantages) if kind.startswith("grpo") else token_trainer_loss(apply, kind)
+    return without_kept_rows(flce, loss) if rest.endswith("-keep0") else loss
+
+
 def make_method(name, flce, zero_advantages: float = 0.0):
+    if name in KEPT_METHODS:
+        return kept_method(name, flce, zero_advantages)
     if name in ("trl-sft", "trl-grpo", "trl-grpo-coef0"):
         from trl.kernels import ChunkedLogProbFunction
 

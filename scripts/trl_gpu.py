@@ -1,11 +1,16 @@
 """TRL's trainers on CUDA with fused-linear-ce's head (``flce.trl.use_in_trl()``) against TRL's own.
 
-1. The trainer checks of tests/test_trl.py (SFT, DPO, KTO, GRPO, RLOO on a tiny random Llama),
+1. The trainer checks of tests/integrations/test_trl.py (SFT, DFT, DPO, KTO, GRPO, RLOO on a tiny random Llama),
    with a float32 model under ``bf16=True`` autocast, as TRL and transformers train in bf16.
 2. One SFTTrainer step on a 2-layer Llama-3-shaped model (vocab 128256, hidden 4096, intermediate
    14336, 32 heads, 8 kv heads, bf16 weights, batch 4 x 2048 random tokens with a quarter of the
    labels -100): the median time of the measured steps after warm-up and the peak memory, with
    TRL's head, then with ours.
+3. A GRPO-shaped step on the same model through TRL's glue (``add_fused_lm_head`` at temperature
+   0.7, log-probs and entropy): GRPOTrainer's loss on given completions (the first iteration's
+   importance ratio exp(log p - log p.detach()), per-sequence advantages, the entropy bonus 0.01),
+   its backward and an SGD step; no generation. Both heads in alternating laps; ours keeps rows at
+   its default budget (``--grpo-keep-mib`` sets FLCE_KEEP_MIB's value instead).
 
 Writes one JSON (GPU, versions, date, command, each check, each head's ms and MiB, ratios) and
 exits 1 if a check failed. No network: the kernel is this checkout (LOCAL_KERNELS).
@@ -15,6 +20,7 @@ exits 1 if a check failed. No network: the kernel is this checkout (LOCAL_KERNEL
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -172,16 +178,107 @@ def time_sft_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warm
     return result
 
 
+GRPO_TEMPERATURE, GRPO_ENTROPY_COEF = 0.7, 0.01
+
+
+def time_grpo_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int, cpu: bool,
+                   keep_mib: int | None = None) -> dict:
+    """Median wall time of a GRPO-shaped optimizer step (synchronized) through TRL's fused LM head
+    (``add_fused_lm_head``) over ``steps`` steps after ``warmup``, and the peak memory of the measured
+    steps: a quarter of each sequence a prompt (labels -100), each completion its advantage, the loss
+    GRPOTrainer's at its first iteration with an entropy bonus, then backward and SGD."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    device = "cpu" if cpu else "cuda"
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(pad_token_id=0, **shapes)).to(torch.bfloat16)
+    add_fused_lm_head(model, temperature=GRPO_TEMPERATURE, outputs=("log_probs", "entropy"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, shapes["vocab_size"], (batch, seq_len), generator=g).to(device)
+    labels = input_ids.clone()
+    labels[:, : seq_len // 4] = -100  # the prompts
+    advantages = torch.randn(batch, 1, generator=g).to(device)
+    ms = []
+    settings = sys.modules[flce.__name__ + "._settings"]
+    if ours:
+        flce.trl.use_in_trl()
+    try:
+        with settings.override(keep_mib=keep_mib) if ours and keep_mib is not None else contextlib.nullcontext():
+            for step in range(warmup + steps):
+                if step == warmup and not cpu:
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                start = time.perf_counter()
+                out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+                mask = out.label_mask.float()
+                ratio = torch.exp(out.log_probs - out.log_probs.detach())
+                per_token = -ratio * advantages - GRPO_ENTROPY_COEF * out.entropy
+                loss = (per_token * mask).sum() / mask.sum()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                sync()
+                if step >= warmup:
+                    ms.append((time.perf_counter() - start) * 1e3)
+    finally:
+        if ours:
+            flce.trl.use_in_trl(False)
+    result = {"ms": round(statistics.median(ms), 3), "ms_each": [round(t, 3) for t in ms],
+              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
+              "loss": loss.item(), "keep_mib": keep_mib if ours else None}
+    del model, optimizer, out, loss
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    print(json.dumps({"head": "flce" if ours else "trl", "step": "grpo", **result}), flush=True)
+    return result
+
+
+def alternating_laps(run, laps: int) -> dict:
+    """``run(head)`` for the heads "trl" and "flce" in alternating order over ``laps`` laps (trl,
+    flce, flce, trl, ...): each head's results with the median of all its steps, and the ratios."""
+    results = {"trl": [], "flce": []}
+    for lap in range(laps):
+        for head in ("trl", "flce") if lap % 2 == 0 else ("flce", "trl"):
+            results[head].append(run(head))
+    timing = {}
+    for head, runs in results.items():
+        ms_each = [t for result in runs for t in result["ms_each"]]
+        peaks = [result["peak_mib"] for result in runs]
+        timing[head] = {**runs[0], "ms": round(statistics.median(ms_each), 3), "ms_each": ms_each,
+                        "peak_mib": None if None in peaks else max(peaks), "lap_ms": [r["ms"] for r in runs]}
+    timing["laps"] = laps
+    pairs = zip(results["trl"], results["flce"], strict=True)
+    timing["lap_ratios_ms"] = [round(f["ms"] / t["ms"], 4) for t, f in pairs]
+    timing["ratio_ms"] = round(timing["flce"]["ms"] / timing["trl"]["ms"], 4)
+    if timing["trl"]["peak_mib"] is not None:
+        timing["ratio_mib"] = round(timing["flce"]["peak_mib"] / timing["trl"]["peak_mib"], 4)
+    return timing
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the JSON to write")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the logic")
-    parser.add_argument("--trainers", default="sft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
+    parser.add_argument("--trainers", default="sft,dft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
     parser.add_argument("--no-checks", action="store_true", help="skip part 1")
     parser.add_argument("--no-timing", action="store_true", help="skip part 2")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (3; 1 with --cpu-smoke)")
     parser.add_argument("--steps", type=int, default=None, help="steps timed (10; 2 with --cpu-smoke)")
     parser.add_argument("--laps", type=int, default=1, help="part 2's runs of each head, in alternating order")
+    parser.add_argument("--no-grpo", action="store_true", help="skip part 3")
+    parser.add_argument("--grpo-laps", type=int, default=4, help="part 3's runs of each head, in alternating order")
+    parser.add_argument("--grpo-keep-mib", type=int, default=None,
+                        help="part 3: FLCE_KEEP_MIB for our head (default: the package's budget)")
     args = parser.parse_args()
     cpu = args.cpu_smoke
     if cpu:
@@ -233,6 +330,16 @@ def main():
             if not cpu:
                 timing["ratio_mib"] = round(timing["flce"]["peak_mib"] / timing["trl"]["peak_mib"], 4)
             record["sft_step"] = timing
+        if not args.no_grpo:
+            shapes = TINY_SHAPES if cpu else LLAMA3_2_LAYERS
+            batch, seq_len = (2, 64) if cpu else (4, 2048)
+            warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+            steps = args.steps if args.steps is not None else (2 if cpu else 10)
+            grpo = alternating_laps(lambda head: time_grpo_step(flce, head == "flce", shapes, batch, seq_len, warmup,
+                                                                steps, cpu, args.grpo_keep_mib), args.grpo_laps)
+            record["grpo_step"] = {"model": shapes, "batch": batch, "seq_len": seq_len, "prompt_fraction": 0.25,
+                                   "temperature": GRPO_TEMPERATURE, "entropy_coef": GRPO_ENTROPY_COEF,
+                                   "dtype": "bfloat16", "warmup_steps": warmup, "timed_steps": steps, **grpo}
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print(f"wrote {args.out}" + (" (a check failed)" if failed else ""), flush=True)
     sys.exit(1 if failed else 0)

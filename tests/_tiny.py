@@ -111,7 +111,7 @@ def grads(model) -> dict:
 # ---- TRL's trainers -----------------------------------------------------------------------
 # TRL 1.16's trainers score tokens through a fused LM head (trl.trainer.utils.add_fused_lm_head),
 # which calls the module global ``_ChunkedLogProbFunction``; ``flce.trl.use_in_trl()`` replaces it.
-TRAINERS = ("sft", "dpo", "kto", "grpo", "rloo")
+TRAINERS = ("sft", "dft", "dpo", "kto", "grpo", "rloo")
 GENERATING = ("grpo", "rloo")
 # Logged values that measure the clock, not the training (``train_runtime``, ``eval_steps_per_second``...).
 CLOCK_SUFFIXES = ("step_time", "_runtime", "_per_second")
@@ -155,6 +155,7 @@ def trl_dataset(kind: str, num_examples: int, seed: int = 0):
         good, bad = " w7 w8 w9", " " + _words(g, 2)
         rows.append({
             "sft": {"prompt": prompt, "completion": good},
+            "dft": {"prompt": prompt, "completion": good},
             "dpo": {"prompt": prompt, "chosen": good, "rejected": bad},
             "kto": {"prompt": prompt, "completion": good if i % 2 else bad, "label": bool(i % 2)},
             "grpo": {"prompt": prompt},
@@ -220,6 +221,8 @@ def train_trl(kind: str, model_path: str, output_dir: Path, use_in_trl=None, *, 
     sampling = dict(use_vllm=False, num_generations=2, max_completion_length=4, temperature=0.7, beta=0.04)
     configs = {
         "sft": (trl.SFTConfig, trl.SFTTrainer, dict(completion_only_loss=True)),
+        # SFT's DFT loss: each token's -log p_t weighted by its detached p_t (per-token upstreams)
+        "dft": (trl.SFTConfig, trl.SFTTrainer, dict(completion_only_loss=True, loss_type="dft")),
         "dpo": (trl.DPOConfig, trl.DPOTrainer, {}),
         "kto": (trl.KTOConfig, trl.KTOTrainer, {}),
         "grpo": (trl.GRPOConfig, trl.GRPOTrainer, dict(**sampling, entropy_coef=0.1, num_iterations=2)),

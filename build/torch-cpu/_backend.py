@@ -91,6 +91,19 @@ class Backend(Protocol):
         """Grad logits [rows, V] (d out / d raw logits) made in place in ``buffer``, once lse
         [rows] is known; adds their column sums to ``bias_grad_acc`` [V] fp32 unless None."""
 
+    def kept_row_bytes(self, vocab_size: int, dtype: torch.dtype, has_softcap: bool) -> int:
+        """Bytes that a row kept by the per-token forward takes until its backward: what
+        ``row_stats`` stores into a buffer row (``new_buffer``) and the row's share of its state."""
+
+    def grad_from_kept(self, buffer: torch.Tensor, state: Any, row_ref: torch.Tensor | None,
+                       targets: torch.Tensor, lse: torch.Tensor, loss_grad: torch.Tensor,
+                       lse_grad: torch.Tensor | None, entropy_grad: torch.Tensor | None, opts: LossOptions,
+                       bias_grad_acc: torch.Tensor | None) -> torch.Tensor:
+        """Grad logits [rows, V] of rows kept by the per-token forward, made in place in ``buffer``
+        (what ``row_stats`` stored there, with its ``state``; with ``row_ref`` [rows] the factored
+        sweep's exponentials) for the per-row coefficients of ``grad_logits``; no logit product.
+        Adds their column sums to ``bias_grad_acc`` [V] fp32 unless None."""
+
     def grad_logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     targets: torch.Tensor, lse: torch.Tensor, loss_grad: torch.Tensor,
                     lse_grad: torch.Tensor | None, opts: LossOptions, out: torch.Tensor,

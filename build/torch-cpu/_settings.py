@@ -1,6 +1,6 @@
 """The kernel's tuning values: one frozen ``Settings``, read by every module through ``current()``.
 
-Four environment variables set values a user may need, read here only, once (the first call
+Five environment variables set values a user may need, read here only, once (the first call
 that asks; ``reset()`` makes the next one read them again), and checked:
 
     FLCE_CHUNK_ROWS     a positive integer: the most rows a chunk takes (``Settings.chunk_rows``)
@@ -8,6 +8,8 @@ that asks; ``reset()`` makes the next one read them again), and checked:
     FLCE_CHECK_TARGETS  a boolean: the target range check (``check_targets``)
     FLCE_TRITON         a boolean: 0 sends every tensor, CUDA ones too, to the PyTorch backend
                         (``triton``), for a user who hits a problem in the Triton kernels
+    FLCE_KEEP_MIB       a non-negative integer: MiB the per-token forward keeps for its backward
+                        (``keep_mib``); 0 keeps nothing (every row recomputed: the least memory)
 
 A boolean is one of 0, 1, true, false, yes, no, on, off, in any case; an empty variable is an
 unset one. Every other field (the A/B toggles and exploration values of tests and benchmarks) is
@@ -46,6 +48,17 @@ class Settings:
     """Whether a call checks that its targets are in range (one small kernel on CUDA and a host
     wait for its flag); skipped anyway while tracing or capturing a CUDA graph. Unchecked, an
     out-of-range target gives a non-finite loss instead of a ValueError."""
+
+    keep_mib: int | None = None
+    """MiB that a per-token forward with gradients (``fused_linear_log_probs`` under RL and
+    preference losses) may keep for its backward, so that the rows it keeps make their gradient
+    without recomputing their logits (``_kept``); 0: none, every row recomputed (the least memory).
+    None: the memory that TRL's own head would take at the call's shape, less ours
+    (``_kept.budgets``)."""
+
+    keep_rows: int | None = None
+    """Rows a per-token forward keeps at most, on top of ``keep_mib`` (tests: a budget that keeps
+    some chunks of a small call); None: no cap."""
 
     triton: bool = True
     """Whether CUDA tensors (and CPU ones under ``TRITON_INTERPRET=1``) take the Triton backend;
@@ -143,6 +156,9 @@ class Settings:
                 raise TypeError(f"setting {f.name} must be {_type_name(f.type)}, got {value!r}")
         if self.chunk_rows is not None and self.chunk_rows < 1:
             raise ValueError(f"setting chunk_rows must be None or a positive integer, got {self.chunk_rows}")
+        for name in ("keep_mib", "keep_rows"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"setting {name} must be None or a non-negative integer, got {getattr(self, name)}")
         if self.buffer_mib is not None and self.buffer_mib < 0:
             raise ValueError(f"setting buffer_mib must be None or a non-negative integer, got {self.buffer_mib}")
 
@@ -153,15 +169,19 @@ ENVIRONMENT = {
     "FLCE_BUFFER_MIB": "buffer_mib",
     "FLCE_CHECK_TARGETS": "check_targets",
     "FLCE_TRITON": "triton",
+    "FLCE_KEEP_MIB": "keep_mib",
 }
+_ZERO_ALLOWED = ("FLCE_KEEP_MIB",)
 _FIELDS = {f.name: f for f in fields(Settings)}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
 def _positive_int(variable: str, text: str) -> int:
-    if not text.strip().isdecimal() or int(text) < 1:
-        raise ValueError(f"{variable} must be a positive integer, got {text!r}")
+    least = 0 if variable in _ZERO_ALLOWED else 1
+    if not text.strip().isdecimal() or int(text) < least:
+        kind = "a non-negative" if least == 0 else "a positive"
+        raise ValueError(f"{variable} must be {kind} integer, got {text!r}")
     return int(text)
 
 
@@ -174,7 +194,7 @@ def _boolean(variable: str, text: str) -> bool:
 
 def from_environment() -> Settings:
     """The defaults, with the values of the environment's FLCE_CHUNK_ROWS, FLCE_BUFFER_MIB,
-    FLCE_CHECK_TARGETS and FLCE_TRITON (unset or empty: the default); raises ValueError naming
+    FLCE_CHECK_TARGETS, FLCE_TRITON and FLCE_KEEP_MIB (unset or empty: the default); raises ValueError naming
     the variable and the values it accepts for any other value."""
     values = {}
     for variable, name in ENVIRONMENT.items():

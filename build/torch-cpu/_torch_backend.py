@@ -230,7 +230,9 @@ def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index:
     """[2] fp32: 1 if ``row_grad`` is one value c on every row with a target (else 0), then -c / w
     with w = 1 / their count (``_kernels._mean_grad_ratio_kernel``)."""
     valid = targets != ignore_index
-    common = row_grad[torch.argmax(valid.to(torch.int8))].float()  # row 0 when no row has a target
+    # c: the first row with a target's gradient, 0 where none has one (an empty batch too), as the kernel
+    first = torch.argmax(torch.cat([valid, valid.new_ones(1)]).to(torch.int8))
+    common = torch.cat([row_grad.float(), row_grad.new_zeros(1, dtype=torch.float32)])[first]
     uniform = torch.where(valid, row_grad == common, True).all()
     weight = 1.0 / valid.sum().clamp(min=1).float()
     return torch.stack([uniform.float(), -common / weight])
@@ -252,6 +254,25 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     row_max, softcap_grad = state
     probs_scale = (_safe(row_max) - lse).exp()
     return _grad_in_place(buffer, probs_scale, targets, lse, loss_grad, None, opts, softcap_grad, bias_grad_acc)
+
+
+def kept_row_bytes(vocab_size: int, dtype: torch.dtype, has_softcap: bool) -> int:
+    """A kept row's bytes: its fp32 exponentials and, with a softcap, the derivative beside them."""
+    return vocab_size * accumulation_dtype(dtype).itemsize * (2 if has_softcap else 1)
+
+
+def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, entropy_grad, opts: LossOptions,
+                   bias_grad_acc):
+    """Grad logits [rows, V] of kept rows, in place in ``buffer`` (exp(z - row max) from
+    ``row_stats``; ``row_ref`` belongs to the factored sweep, never taken here):
+    p = e exp(row max - lse) and log p = log e + row max - lse."""
+    row_max, softcap_grad = state
+    log_scale = _safe(row_max) - lse
+    log_probs = None
+    if entropy_grad is not None:  # (an e flushed to 0 has p = 0: its log, clamped, is never weighed)
+        log_probs = buffer.clamp_min(torch.finfo(buffer.dtype).tiny).log_().add_(log_scale[:, None])
+    return _grad_in_place(buffer, log_scale.exp(), targets, lse, loss_grad, lse_grad, opts, softcap_grad,
+                          bias_grad_acc, entropy_grad=entropy_grad, log_probs=log_probs)
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,

@@ -16,12 +16,13 @@ Why a function of its own and not options of the loss: the loss is one number wh
 sweep can compute as it goes (its upstream gradient is a scalar, applied in the backward), while
 these outputs take any per-token upstream gradient, known only in the backward. The backward
 therefore recomputes the logits (8 N V H flops in all instead of 6) of the rows whose upstream
-gradient is not 0 (not those of GRPO's tokens of advantage 0 without an entropy bonus), except when it finds the
+gradient is not 0 (not those of GRPO's tokens of advantage 0 without an entropy bonus), but for the
+rows that the forward kept within a memory budget (``_kept``: 6 N V H), except when it finds the
 gradient of ``log_probs`` equal on every row with a target and no gradient on ``entropy`` (SFT's
 negative log-likelihood): then the gradients computed in the forward's sweep, those of the mean
 of -log_probs over the rows with a target, are exact once scaled, and need no scaling at all where
 the loss divides by that count (TRL's SFT head); the forward computes them as long as the last
-backward of the same outputs found the weights equal.
+backward of the same outputs found the weights equal (``grad_in_forward`` decides per call).
 """
 
 from collections.abc import Iterable
@@ -88,6 +89,7 @@ def fused_linear_log_probs(
     softcap: float | None = None,
     ignore_index: int = -100,
     outputs: tuple[str, ...] = ("log_probs",),
+    grad_in_forward: bool | None = None,
 ) -> TokenOutputs:
     """Per-token log-probabilities of the targets (and entropy, top-1...), without the logits.
 
@@ -108,6 +110,12 @@ def fused_linear_log_probs(
         outputs: which of ``log_probs`` (always computed), ``entropy``, ``log_sum_sq_probs``,
             ``mean_logits`` and ``is_top1`` to return; the others are None. ``entropy`` costs a
             multiply-add a logit, ``log_sum_sq_probs`` and ``mean_logits`` one more each.
+        grad_in_forward: whether the forward computes, in its sweep, the gradients of
+            ``-log_probs.sum() / n`` over the n rows with a target (SFT's loss; exact for any equal
+            weights, and recomputed if the backward finds them unequal or an entropy gradient).
+            None (default): yes unless the last backward of these outputs found unequal weights,
+            and again once one finds them equal; False: never (RL and preference losses; the
+            forward then keeps rows for its backward within ``FLCE_KEEP_MIB``).
 
     Returns:
         A ``TokenOutputs`` (a named tuple in the order above). ``log_probs`` and ``entropy`` take
@@ -147,7 +155,8 @@ def fused_linear_log_probs(
     logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
-    in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden) and speculates(key))
+    in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden)
+                  and (speculates(key) if grad_in_forward is None else bool(grad_in_forward)))
     _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward(
         hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), *options.op_args(),
         key, metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))

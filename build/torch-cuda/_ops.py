@@ -393,6 +393,28 @@ _TOKEN_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor
                           "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
 
 
+def _token_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, *args,
+                   keep: bool = False) -> tuple[tuple[Tensor, ...], "_chunked._kept.KeptRows | None"]:
+    """(``_token_forward``'s outputs, what the forward kept for its backward): with ``keep`` (no
+    gradients in the sweep) the rows that ``_kept`` keeps, None without."""
+    opts = LossOptions.from_op_args(args)
+    _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
+    _chunked.backend_for(hidden.device).precompile("tokens:" + args[_NUM_OPTIONS], hidden.device)  # (as in _forward)
+    with _no_autocast(hidden):
+        res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
+                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean",
+                               keep=keep)
+    def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
+        return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
+
+    return (
+        res.lse, res.loss.neg(), wanted(metrics, res.entropy),
+        res.correct.bool() if metrics else res.lse.new_empty(0, dtype=torch.bool),
+        wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
+        _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
+    ), res.kept
+
+
 def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
                    *args) -> tuple[Tensor, ...]:
     """(lse, log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs, grad_hidden, grad_weight,
@@ -402,21 +424,7 @@ def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor
     those of -mean_i log_probs_i over the n rows with a target (d out / d log_probs_i = -1 / n,
     rounded as PyTorch's), a trainer's usual loss; empty when not asked for. Rows whose target is
     ``ignore_index`` get 0 (False) everywhere."""
-    opts = LossOptions.from_op_args(args)
-    _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
-    _chunked.backend_for(hidden.device).precompile("tokens:" + args[_NUM_OPTIONS], hidden.device)  # (as in _forward)
-    with _no_autocast(hidden):
-        res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
-                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean")
-    def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
-        return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
-
-    return (
-        res.lse, res.loss.neg(), wanted(metrics, res.entropy),
-        res.correct.bool() if metrics else res.lse.new_empty(0, dtype=torch.bool),
-        wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
-        _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
-    )
+    return _token_outputs(hidden, weight, targets, bias, *args)[0]
 
 
 token_forward_op = torch.library.custom_op(f"{NAMESPACE}::token_forward", _token_forward, mutates_args=(),
@@ -472,13 +480,34 @@ def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, *ar
 # a target (and no entropy gradient): then the gradients made in the forward's sweep, scaled, are
 # exact. Keyed by the outputs asked for ("entropy,log_probs"): a trainer whose loss weights its
 # tokens alike (SFT's NLL) keeps the sweep's gradients, one whose weights differ (RL, preference
-# losses) recomputes them after its first step.
+# losses) recomputes them after its first step. A backward that did not take the sweep's
+# gradients still checks its weights (one small launch, read by the next forward: ``_pending``),
+# so that the sweep re-arms once they are equal again: [sft, sft, rl, sft, sft] computes the
+# gradients in the sweep of calls 1, 2 and 5 (call 3 finds them unequal, call 4 equal).
 _uniform_grads: dict[str, bool] = {}
+_pending: dict[str, tuple] = {}  # outputs -> (host flag [1], ready event or None), from a later backward
 
 
 def speculates(outputs: str) -> bool:
-    """Whether a per-token forward of ``outputs`` computes gradients in its sweep."""
+    """Whether a per-token forward of ``outputs`` computes gradients in its sweep by default (its
+    caller's ``grad_in_forward`` None): unless the last backward of those outputs found unequal weights."""
+    pending = _pending.pop(outputs, None)
+    if pending is not None:
+        flag, ready = pending
+        if ready is not None:
+            ready.synchronize()  # (long done: queued in the last backward)
+        _uniform_grads[outputs] = bool(flag[0] == 1.0)
     return _uniform_grads.get(outputs, True)
+
+
+def _recheck_weights(key: str, log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> None:
+    """Queues the check of a backward that did not take the sweep's gradients, while the sweep is
+    off for ``key``: whether the weights were equal, for ``speculates`` to read (no host wait here)."""
+    if _uniform_grads.get(key) is not False or (targets.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    found = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
+                                                                 ignore_index)
+    _pending[key] = _chunked.copy_to_host(found[:1])
 
 
 def _token_setup_context(ctx, inputs, output):
@@ -493,6 +522,7 @@ def _token_setup_context(ctx, inputs, output):
     ctx.speculated = any(grads)
     ctx.consumed = False
     ctx.key = outputs
+    ctx.kept = None  # what the eager forward kept (``_EagerTokenForward``)
     saved_grads = rest[3:] if ctx.speculated else ()
     ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), lse,
                           entropy if metrics else None, *saved_grads)
@@ -538,6 +568,8 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
                 return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
         else:
             _uniform_grads[ctx.key] = False
+    elif log_prob_grad is not None and entropy_grad is None:
+        _recheck_weights(ctx.key, log_prob_grad, targets, opts.ignore_index)
     valid = targets != opts.ignore_index
     zero = torch.zeros((), device=lse.device, dtype=lse.dtype)
     loss_grad = zero.expand_as(lse) if log_prob_grad is None else torch.where(valid, -log_prob_grad.to(lse.dtype), zero)
@@ -545,9 +577,15 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     if entropy_grad is not None:
         row_entropy_grad = torch.where(valid, entropy_grad.to(lse.dtype), zero).contiguous()
         row_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
-    grads = _traced(token_backward_op, _token_backward_grads, hidden)(
-        hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, row_entropy_grad, *opts.op_args(),
-        *want)
+    kept, ctx.kept = ctx.kept, None  # used once: the backward turns its buffers into grad logits
+    if kept is not None:
+        with _no_autocast(hidden):
+            grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, opts,
+                                      want, entropy_grad=row_entropy_grad, kept=kept)
+    else:
+        grads = _traced(token_backward_op, _token_backward_grads, hidden)(
+            hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, row_entropy_grad,
+            *opts.op_args(), *want)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
 
@@ -555,14 +593,26 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
 token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_context)
 
 
+def _keeps_rows(ctx, hidden: Tensor, grads) -> bool:
+    """Whether an eager per-token forward keeps rows for its backward (``_kept``): where gradients
+    are wanted and not computed in the sweep; not for fp64 (gradcheck: recomputed, as the loss is)
+    nor while a CUDA graph is captured."""
+    needs = ctx.needs_input_grad
+    if any(grads) or not (needs[0] or needs[1] or needs[3]) or hidden.dtype == torch.float64:
+        return False
+    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 class _EagerTokenForward(torch.autograd.Function):
     """``token_forward_op`` in eager mode, as ``_EagerForward`` is ``forward_op``'s: TRL's head
-    gathers the rows with a label, a sync, right before it."""
+    gathers the rows with a label, a sync, right before it. Only here does the forward keep rows
+    for its backward (the operator's outputs are fixed tensors)."""
 
     @staticmethod
     def forward(ctx, *args):
-        output = _token_forward(*args)
+        output, kept = _token_outputs(*args, keep=_keeps_rows(ctx, args[0], args[-3:]))
         _token_setup_context(ctx, args, output)
+        ctx.kept = kept if kept is not None and kept.count > 0 else None
         return output
 
     backward = staticmethod(_token_backward)

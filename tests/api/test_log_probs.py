@@ -120,8 +120,8 @@ def test_rows_without_gradient_are_left_out(flce, monkeypatch, tune, dtype, path
     ignored rows have grad logits exactly 0: the recomputing backward (of the log-probs, or of the
     loss with ``reduction="none"``) computes only the other rows (in chunks of 8 here, the first
     chunk sized before their count is known), and the gradients still match float64 autograd,
-    grad_hidden exactly 0 on the rows left out."""
-    tune(chunk_rows=8)
+    grad_hidden exactly 0 on the rows left out. (No kept rows: all are recomputed here.)"""
+    tune(chunk_rows=8, keep_mib=0)
     hidden, weight, targets, _ = make_inputs(48, 32, 97, dtype, seed=8, ignore=0.2, device=path.device)
     advantage = torch.randn(6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     advantage[[1, 2, 4]] = 0.0  # 3 of 6 sequences of 8 tokens in groups whose rewards were all equal
@@ -231,14 +231,19 @@ def test_unequal_weights_after_the_sweep_recompute(flce):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_outputs_bit_identical_with_or_without_gradients(flce, dtype):
+@pytest.mark.parametrize("grad_in_forward", [None, False], ids=["sweep-gradients", "kept-rows"])
+def test_outputs_bit_identical_with_or_without_gradients(flce, tune, dtype, grad_in_forward):
+    """The same outputs without gradients, with the sweep's gradients, and with rows kept for the
+    backward (the first 13 here: a chunk of 8 and one that the budget cuts)."""
+    if grad_in_forward is False:
+        tune(chunk_rows=8, keep_mib=1, keep_rows=13)
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=8, ignore=0.2)
     outputs = ("log_probs", "entropy", "is_top1")
     submodule(flce, "_ops")._uniform_grads.pop("entropy,is_top1,log_probs", None)  # the sweep computes gradients
     with torch.no_grad():
         plain = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
     assert submodule(flce, "_ops").speculates("entropy,is_top1,log_probs")
-    trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
+    trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs, grad_in_forward=grad_in_forward)
     assert trained.log_probs.requires_grad and trained.entropy.requires_grad
     for name in outputs:
         assert torch.equal(getattr(plain, name), getattr(trained, name).detach()), name
@@ -254,3 +259,146 @@ def test_bad_arguments(flce):
         flce.fused_linear_log_probs(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="targets must be in"):
         flce.fused_linear_log_probs(hidden, weight, torch.full_like(targets, 10))
+
+
+# ---- kept rows --------------------------------------------------------------------------------
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _kept_bound(hidden, weight, targets, bias, options, log_prob_weight, entropy_weight):
+    """Elementwise bounds (grad_hidden, grad_weight) of the kept rows' gradients against float64
+    (``_kept``'s bound on the grad logits, with the logits' own fp32 rounding and that of the
+    products), from float64 logits: G~ - G per entry at most u |G| + 2 u p (1 + s)(|g| + |e| (2 +
+    |log p + H|)), s = row max - z, times dz/du, plus 2 u s |G| / c with a softcap c."""
+    u = UNIT_ROUNDOFF[hidden.dtype]
+    acc = 2.0**-24  # fp32 accumulation: the logits' dot products and the gradient products
+    h, w = hidden.detach().double(), weight.detach().double()
+    raw = h @ w.T + (0.0 if bias is None else bias.detach().double())
+    scale, cap = 1.0 / options["temperature"], options.get("softcap")
+    z = raw * scale if cap is None else (cap * scale) * torch.tanh(raw / cap)
+    log_p = torch.log_softmax(z, dim=-1)
+    p, entropy = log_p.exp(), -(log_p.exp() * log_p).sum(-1, keepdim=True)
+    valid = (targets != -100)[:, None]
+    g, e = (torch.where(valid, x[:, None], 0.0) for x in (log_prob_weight, entropy_weight))
+    onehot = torch.nn.functional.one_hot(torch.where(valid[:, 0], targets, 0), w.shape[0]).double()
+    grad_z = g * (onehot - p) - e * p * (log_p + entropy)
+    dz_du = torch.full_like(z, scale) if cap is None else scale * (1 - (z / (cap * scale)) ** 2)
+    s = z.amax(-1, keepdim=True) - z
+    weigh = g.abs() + e.abs() * (2 + (log_p + entropy).abs())
+    # the logits' rounding: H + 2 fp32 roundings of |h| . |w|, relative in p
+    dz = (h.shape[1] + 2) * acc * (h.abs() @ w.abs().T) * scale
+    per_entry = (u * grad_z.abs() + 2 * u * p * (1 + s) * weigh + 2 * p * dz * weigh) * dz_du.abs()
+    if cap is not None:
+        per_entry = per_entry + 2 * u * s / (cap * scale) * grad_z.abs() * dz_du.abs()
+    grad_u = (grad_z * dz_du).abs()
+    bound_h = per_entry @ w.abs() + (w.shape[0] * acc + u) * (grad_u @ w.abs())
+    bound_w = per_entry.T @ h.abs() + (h.shape[0] * acc + 2 * u) * (grad_u.T @ h.abs())
+    return bound_h, bound_w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("budget", ["all", "some", "off"])
+@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"temperature": 0.7, "softcap": 3.0, "bias": True}],
+                         ids=["temperature", "softcap-bias"])
+def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, path):
+    """GRPO-like weights (per-token advantages, a quarter of them 0, and an entropy bonus) on rows of
+    every kind: kept by the forward (every row with a target, 11 of them in chunks of 8: a chunk cut
+    by the budget, or none), recomputed and ignored. The gradients are within ``_kept``'s bound of
+    float64 autograd (elementwise), equal to the recomputing backward's within the dtype's
+    tolerance, and exactly 0 on the rows without gradient; the backward computes each row with a
+    gradient once, from its kept buffer or by recomputation."""
+    options = dict(options)
+    hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=12, bias=options.pop("bias", False),
+                                                ignore=0.2, device=path.device)
+    tune(chunk_rows=8, keep_mib={"off": 0}.get(budget, 1), keep_rows={"some": 11}.get(budget))
+    gen = torch.Generator().manual_seed(13)
+    log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64)
+    log_prob_weight[torch.rand(36, generator=gen) < 0.25] = 0.0
+    entropy_weight = torch.where(log_prob_weight != 0, 0.01 * torch.randn(36, generator=gen, dtype=torch.float64), 0.0)
+    log_prob_weight, entropy_weight = log_prob_weight.to(path.device), entropy_weight.to(path.device)
+    backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
+    rows = {"kept": 0, "recomputed": 0}
+
+    def counting(function, key):  # (a kept chunk's buffer, a recomputed chunk's hidden rows: rows x ...)
+        def counted(rows_first, *a, **k):
+            rows[key] += rows_first.shape[0]
+            return function(rows_first, *a, **k)
+        return counted
+
+    monkeypatch.setattr(backend, "grad_from_kept", counting(backend.grad_from_kept, "kept"))
+    monkeypatch.setattr(backend, "grad_logits", counting(backend.grad_logits, "recomputed"))
+
+    def loss():
+        out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=("log_probs", "entropy"),
+                                          grad_in_forward=False, **options)
+        return (out.log_probs.double() * log_prob_weight).sum() + (out.entropy.double() * entropy_weight).sum()
+
+    tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
+    got = _grads(loss, tensors)
+    with_target = int((targets != -100).sum())
+    with_gradient = (log_prob_weight != 0) & (targets != -100)
+    kept = {"all": with_target, "some": 11, "off": 0}[budget]
+    assert rows["kept"] == kept, rows
+    assert rows["kept"] + rows["recomputed"] >= int(with_gradient.sum()), rows
+    assert torch.equal(got[0][~with_gradient], torch.zeros_like(got[0][~with_gradient]))
+    h64, w64, b64 = (None if t is None else t.detach().double().requires_grad_() for t in (hidden, weight, bias))
+    ref = reference(h64, w64, targets, b64, **options)
+    ((ref["log_probs"] * log_prob_weight).sum() + (ref["entropy"] * entropy_weight).sum()).backward()
+    bound_h, bound_w = _kept_bound(hidden, weight, targets, bias, options, log_prob_weight, entropy_weight)
+    for name, g, e, bound in (("grad_hidden", got[0], h64.grad, bound_h), ("grad_weight", got[1], w64.grad, bound_w)):
+        excess = (g.double() - e).abs() - bound
+        assert excess.max() <= 0, f"{name}: {excess.max():.3g} over the bound"
+    tune(keep_mib=0)
+    recomputed = _grads(loss, tensors)
+    for name, g, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got, recomputed, strict=False):
+        assert_rel(g, e, tolerance(dtype, "grad"), f"{name} against the recomputing backward")
+
+
+def test_the_sweep_re_arms_after_unequal_weights(flce, monkeypatch):
+    """[sft, sft, sft, rand, sft, sft]: the sweep computes SFT's gradients in calls 1-3, and in call 4,
+    whose backward finds the weights unequal and recomputes; call 5 keeps rows instead, its backward
+    finds equal weights, and call 6 computes them in its sweep again. ``grad_in_forward`` decides
+    per call, whatever the verdict. Every step's gradients match float64 autograd."""
+    hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=14, ignore=0.2)
+    ops, chunked = submodule(flce, "_ops"), submodule(flce, "_chunked")
+    ops._uniform_grads.pop("log_probs", None)
+    ops._pending.pop("log_probs", None)
+    in_sweep, backwards = [], []
+    forward, backward = chunked.forward, chunked.backward
+    monkeypatch.setattr(chunked, "forward", lambda *a, **k: in_sweep.append(any(a[6])) or forward(*a, **k))
+    monkeypatch.setattr(chunked, "backward", lambda *a, **k: backwards.append(len(in_sweep)) or backward(*a, **k))
+    n = (targets != -100).sum()
+    weights = torch.linspace(-1.0, 2.0, 24, dtype=torch.float64).to(DEVICE)
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = reference(h64, w64, targets)["log_probs"]
+    expected = {"sft": torch.autograd.grad(-ref.sum() / n, (h64, w64), retain_graph=True),
+                "rand": torch.autograd.grad((ref * weights).sum(), (h64, w64))}
+    steps = [("sft", None), ("sft", None), ("sft", None), ("rand", None), ("sft", None), ("sft", None),
+             ("sft", False), ("rand", True)]
+    for step, (kind, explicit) in enumerate(steps):
+        def loss(kind=kind, explicit=explicit):
+            log_probs = flce.fused_linear_log_probs(hidden, weight, targets, grad_in_forward=explicit).log_probs
+            return -log_probs.sum() / n if kind == "sft" else (log_probs.double() * weights).sum()
+        for name, g, e in zip(("grad_hidden", "grad_weight"), _grads(loss, (hidden, weight)), expected[kind],
+                              strict=True):
+            assert_rel(g, e, tolerance(torch.float32, "grad"), f"step {step} ({kind}) {name}")
+    assert in_sweep == [True, True, True, True, False, True, False, True]
+    assert backwards == [4, 5, 7, 8]  # the backwards of calls 4, 5, 7 and 8 (1-based) computed their gradients
+    ops._uniform_grads.pop("log_probs", None)
+    ops._pending.pop("log_probs", None)
+
+
+@pytest.mark.parametrize("grad_in_forward", [None, False])
+def test_empty_batch_gives_zero_gradients(flce, path, grad_in_forward):
+    """A micro-batch with no row (TRL's head on a fully masked one) backpropagates zeros, as float64
+    autograd does, on both paths, whether the sweep computes gradients or the backward does."""
+    hidden, weight, _, _ = make_inputs(0, 8, 16, torch.float32, seed=15, device=path.device)
+    targets = torch.zeros(0, dtype=torch.long, device=path.device)
+    submodule(flce, "_ops")._uniform_grads.pop("entropy,log_probs", None)
+    out = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "entropy"),
+                                      grad_in_forward=grad_in_forward)
+    (-out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = reference(h64, w64, targets)
+    (-ref["log_probs"].sum() + 0.01 * ref["entropy"].sum()).backward()
+    assert hidden.grad.shape == (0, 8) and torch.equal(weight.grad.double(), w64.grad)

@@ -1,10 +1,13 @@
 """TRL 1.16's trainers train and log the same with the kernel as with TRL's own fused LM head.
 
-Each test trains one trainer (SFT, DPO, KTO, GRPO, RLOO) a few SGD steps on a tiny random Llama
-loaded from a local checkpoint, twice from the same weights, data and seed: with TRL's head, then
-with ``flce.trl.use_in_trl()`` (the kernel as ``get_kernel`` loads it). Every value TRL logs
+Each test trains one trainer (SFT, SFT's DFT loss, DPO, KTO, GRPO, RLOO) a few SGD steps on a tiny
+random Llama loaded from a local checkpoint, from the same weights, data and seed: with TRL's head,
+then with ``flce.trl.use_in_trl()`` (the kernel as ``get_kernel`` loads it). Every value TRL logs
 (loss, grad_norm and the head's metrics, listed in HEAD_METRICS) and every parameter after the
-steps must agree; GRPO and RLOO must sample the same completions.
+steps must agree; GRPO and RLOO must sample the same completions. The trainers whose upstream
+gradients differ per token (all but SFT's NLL, whose gradients the sweep makes) train with the
+kernel twice: with kept rows (FLCE_KEEP_MIB large enough for all) and without (every row
+recomputed), each checked against TRL's run.
 
 Tolerance, float32 on the CPU: rel 1e-5. Both heads compute in float32 from the same hidden
 states and weights, and differ only in the order of their sums over the vocabulary (TRL's
@@ -22,6 +25,7 @@ import sys
 
 import pytest
 from _tiny import ROOT, assert_runs_match, save_tiny_checkpoint, train_trl
+from conftest import submodule
 
 trl = pytest.importorskip("trl")
 
@@ -31,6 +35,8 @@ REL = 1e-5  # float32 rounding, see the module docstring
 # comparison covers every logged key; these must be among them.
 HEAD_METRICS = {
     "sft": ("loss", "grad_norm", "entropy", "mean_token_accuracy", "eval_loss", "eval_entropy",
+            "eval_mean_token_accuracy"),
+    "dft": ("loss", "grad_norm", "entropy", "mean_token_accuracy", "eval_loss", "eval_entropy",
             "eval_mean_token_accuracy"),
     "dpo": ("loss", "grad_norm", "entropy", "mean_token_accuracy", "logps/chosen", "logps/rejected",
             "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logits/chosen",
@@ -45,6 +51,7 @@ HEAD_METRICS = {
 # The head's outputs each trainer asks for (its policy, then its reference model's log-probs)
 HEAD_OUTPUTS = {
     "sft": {("log_probs", "entropy", "is_top1")},
+    "dft": {("log_probs", "entropy", "is_top1")},
     "dpo": {("log_probs", "entropy", "mean_logits", "is_top1"), ("log_probs",)},
     "kto": {("log_probs", "entropy", "mean_logits"), ("log_probs",)},
     "grpo": {("log_probs", "entropy"), ("log_probs",)},
@@ -88,7 +95,20 @@ def test_use_in_trl_swaps_the_head_and_back(flce):
     assert utils._ChunkedLogProbFunction is trl_head
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo", "rloo"])
+def _train_with_kernel(flce, kind, checkpoint, output_dir, steps, keep_mib, monkeypatch):
+    """``train_trl`` with the kernel's head at the kept-rows budget ``keep_mib``; (run, rows that
+    the backwards made from kept buffers)."""
+    backend = submodule(flce, "_torch_backend")
+    kept_rows, grad_from_kept = [], backend.grad_from_kept
+    monkeypatch.setattr(backend, "grad_from_kept", lambda buffer, *a: kept_rows.append(buffer.shape[0])
+                        or grad_from_kept(buffer, *a))
+    with submodule(flce, "_settings").override(keep_mib=keep_mib):
+        run = train_trl(kind, checkpoint, output_dir, use_in_trl=flce.trl.use_in_trl, steps=steps)
+    monkeypatch.setattr(backend, "grad_from_kept", grad_from_kept)
+    return run, sum(kept_rows)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dft", "dpo", "kto", "grpo", "rloo"])
 def test_trainer_trains_as_with_trls_head(flce, checkpoint, kind, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch path for CPU tensors
     # GRPO and RLOO sample their completions every num_iterations (2) steps: two steps score one
@@ -96,15 +116,20 @@ def test_trainer_trains_as_with_trls_head(flce, checkpoint, kind, tmp_path, monk
     # from weights that differ by the heads' fp32 rounding, and a near-tie can draw another token)
     steps = 2 if kind in ("grpo", "rloo") else 3
     reference = train_trl(kind, checkpoint, tmp_path / "trl", steps=steps)
-    fused = train_trl(kind, checkpoint, tmp_path / "flce", use_in_trl=flce.trl.use_in_trl, steps=steps)
-
-    # the kernel scored every token of the second run, TRL's of the first, with the same requests
-    assert fused.head.__module__ == f"{flce.__name__}.trl" and reference.head.__module__.startswith("trl.")
-    assert set(reference.head_calls) == HEAD_OUTPUTS[kind]
-    assert fused.head_calls == reference.head_calls
     logged = set().union(*(record.keys() for record in reference.logs))
+    assert set(reference.head_calls) == HEAD_OUTPUTS[kind]
     assert set(HEAD_METRICS[kind]) <= logged, sorted(set(HEAD_METRICS[kind]) - logged)
-    assert_runs_match(reference, fused, REL)
+    # SFT's equal weights take the sweep's gradients (no row kept); the others keep rows once their
+    # first backward found unequal weights (64 MiB hold every row here), or none with the budget off
+    budgets = (None,) if kind == "sft" else (64, 0)
+    for keep_mib in budgets:
+        fused, kept_rows = _train_with_kernel(flce, kind, checkpoint, tmp_path / f"flce-{keep_mib}", steps, keep_mib,
+                                              monkeypatch)
+        # the kernel scored every token of the second run, TRL's of the first, with the same requests
+        assert fused.head.__module__ == f"{flce.__name__}.trl" and reference.head.__module__.startswith("trl.")
+        assert fused.head_calls == reference.head_calls
+        assert (kept_rows > 0) == bool(keep_mib), kept_rows
+        assert_runs_match(reference, fused, REL)
 
     # metrics that say something: the trainers learn and the accuracy is not trivially 0
     values = {key: [r[key] for r in reference.logs if key in r] for key in HEAD_METRICS[kind]}

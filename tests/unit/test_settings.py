@@ -1,4 +1,4 @@
-"""The kernel's settings (``_settings``): the four environment variables, read once and checked,
+"""The kernel's settings (``_settings``): the five environment variables, read once and checked,
 and ``override``, the only way to set the other fields."""
 
 import pytest
@@ -50,6 +50,29 @@ def test_integer_variables_must_be_positive_integers(settings, environ, variable
     with pytest.raises(ValueError) as error:
         settings.current()
     assert str(error.value) == f"{variable} must be a positive integer, got '{text}'"
+
+
+@pytest.mark.parametrize("text", ["-5", "abc", "1.5", "false"])
+def test_keep_mib_must_be_a_non_negative_integer(settings, environ, text):
+    environ(FLCE_KEEP_MIB=text)
+    with pytest.raises(ValueError) as error:
+        settings.current()
+    assert str(error.value) == f"FLCE_KEEP_MIB must be a non-negative integer, got '{text}'"
+
+
+def test_keep_mib_sets_the_kept_rows_budget(flce, settings, environ):
+    """FLCE_KEEP_MIB: 0 keeps nothing (the least memory), 3 MiB keeps 3 MiB whatever the shape;
+    unset, TRL's head's peak less ours: for a bf16 Llama-3 head at 8192 rows, (V + N) H 4 bytes
+    plus TRL's 4096 x 32768 logit tile (``_kept`` derives it) less a margin, and less a training
+    chunk where some rows are recomputed."""
+    kept = submodule(flce, "_kept")
+    environ(FLCE_KEEP_MIB="0")
+    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (0, 0)
+    environ(FLCE_KEEP_MIB="3")
+    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (3 * 2**20, 3 * 2**20)
+    environ(FLCE_KEEP_MIB="")
+    every = (128256 + 8192) * 4096 * 4 + 4096 * 32768 * 2 - 64 * 2**20  # (64 MiB left free: _kept.MARGIN_BYTES)
+    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (every, every - 10**8)
 
 
 @pytest.mark.parametrize("variable", ["FLCE_CHECK_TARGETS", "FLCE_TRITON"])

@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import _torch_backend
+from . import _kept, _torch_backend
 from ._backend import Backend
 from ._distributed import Shard
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
@@ -104,6 +104,7 @@ class ForwardResult:
     entropy: torch.Tensor | None = None  # [N] fp32, with metrics
     mean_logit: torch.Tensor | None = None  # [N] fp32, with ``logit_sum``
     log_sum_sq: torch.Tensor | None = None  # [N] fp32 log sum_j p_j^2, with ``sum_sq``
+    kept: "_kept.KeptRows | None" = None  # with ``keep``: what the backward takes for the kept rows
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -825,7 +826,7 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
             grads: tuple[bool, bool, bool] = (False, False, False), shard: Shard | None = None,
             class_weight: torch.Tensor | None = None, all_rows: bool = False,
             return_metrics: bool = False, logit_sum: bool = False, sum_sq: bool = False,
-            match_training: bool = False, grad_reduction: str | None = None) -> ForwardResult:
+            match_training: bool = False, grad_reduction: str | None = None, keep: bool = False) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]);
     with any of ``grads`` (hidden, weight, bias) also those gradients, for grad_output 1.
     With a ``shard``, weight and bias are this rank's slice of the vocabulary. ``class_weight``
@@ -838,7 +839,9 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     without gradients takes its statistics against the same row references, so that metrics and
     per-row results are the same bit for bit with or without gradients. ``grad_reduction``
     (default: ``reduction``) is the reduction whose gradients the sweep computes: the per-token
-    outputs take those of the mean, as a trainer's loss usually is.
+    outputs take those of the mean, as a trainer's loss usually is. With ``keep`` (a per-token
+    forward whose backward will recompute, no gradients here, no ``shard``) the result's ``kept``
+    holds what the backward takes for the rows it keeps (``_kept_chunks``).
 
     The chunks go through one of three loops: the factored training step (``_factored_chunks``),
     the forward without gradients (``_statistics_chunks``), and training from a stored buffer
@@ -846,15 +849,20 @@ def forward(hidden, weight, targets, bias, opts: LossOptions, reduction: str,
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     step = _ForwardStep(hidden, weight, targets, bias, opts, reduction, grads, shard, class_weight, all_rows,
                         return_metrics, logit_sum, sum_sq, match_training, grad_reduction or reduction)
+    kept = None
     if step.factored and shard is None:
         _factored_chunks(step)
     elif step.training:
         _stored_chunks(step)
+    elif keep and shard is None and hidden.shape[0] > 0 and settings().keep_mib != 0:  # (0: as without keep)
+        kept = _kept.forward_chunks(step)
     else:
         _statistics_chunks(step)
     grads_out = step.gradients.finish(hidden.dtype, bias, step.backend, step.slice_targets)
-    return _forward_result(step.results, grads_out, step.targets, opts, reduction, step.row_order, step.row_weight,
-                           return_metrics, step.f32)
+    result = _forward_result(step.results, grads_out, step.targets, opts, reduction, step.row_order, step.row_weight,
+                             return_metrics, step.f32)
+    result.kept = kept
+    return result
 
 
 def _new_results(n_rows: int, return_metrics: bool, f32: dict, logit_sum: bool = False,
@@ -919,13 +927,15 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
              grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None,
-             entropy_grad: torch.Tensor | None = None):
+             entropy_grad: torch.Tensor | None = None, kept: _kept.KeptRows | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
     of the forward. With class weights, ``lse_grad`` carries the z-loss's gradient
     (``recomputed_row_grads``), which the kernels then leave out. ``entropy_grad`` [N] is
     d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``. Only the rows
-    with a non-zero upstream gradient are computed (``_rows_with_gradient``)."""
+    with a non-zero upstream gradient are computed (``_rows_with_gradient``); with ``kept`` (a
+    per-token forward's ``_kept.KeptRows``, no shard) the kept rows from their buffers first, then
+    the others by recomputation."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
@@ -937,9 +947,16 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     loss_grad, lse_grad, smooth_grad = kernel_row_grads(loss_grad, lse_grad, row_weight, weight_sum, opts, vocab_size)
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.shape[1], hidden.dtype, True, shard, weight_grad=grads[1])
+    row_grads = [loss_grad, lse_grad, smooth_grad, entropy_grad]
+    if kept is not None:
+        row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
+        gradients = _Gradients(hidden, vocab_size, grads, chunk, len(kept.parts) + _cdiv(n_rows - kept.count, chunk),
+                               row_order, shard)
+        _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
+                       (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_class_weight)
+        return gradients.finish(hidden.dtype, bias, backend)
     # Under vocabulary parallelism every row is computed: the ranks' chunks must match.
-    row_order = None if shard is not None or n_rows == 0 else _rows_with_gradient(
-        backend, [loss_grad, lse_grad, smooth_grad, entropy_grad])
+    row_order = None if shard is not None or n_rows == 0 else _rows_with_gradient(backend, row_grads)
     gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), row_order, shard)
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)

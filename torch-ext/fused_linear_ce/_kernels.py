@@ -800,6 +800,92 @@ def _grad_from_shifted_kernel(
         tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
 
 
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
+def _grad_from_kept_kernel(
+    # pointers
+    buffer_ptr,  # [n_rows, V] in: the rows kept by the per-token forward, out: grad logits (in place)
+    tile_max_ptr,  # [n_rows, num_tiles] fp32
+    row_ref_ptr,  # [n_rows] fp32 reference B_i (the buffer holds exp(z - reference)), or None: z - tile_max
+    lse_ptr,  # [n_rows] fp32
+    loss_grad_ptr,  # [n_rows] fp32 d out / d loss_i (minus d out / d log_probs_i), 0 on ignored rows
+    lse_grad_ptr,  # [n_rows] fp32 d out / d lse_i (the entropy's -e_i H_i), or None
+    entropy_grad_ptr,  # [n_rows] fp32 d out / d entropy_i, or None
+    targets_ptr,  # [n_rows] int
+    bias_grad_ptr,  # [V] fp32 accumulator, added to; or None: no bias
+    # sizes and strides
+    n_rows,
+    rows_per_program,
+    vocab_size,
+    stride_buf_n,
+    # scalars (None where absent)
+    logit_scale,
+    softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The per-token backward of rows kept by the forward: grad logits [n_rows, V] made in place
+    from what the forward's sweep stored, with no logit product.
+
+    The buffer holds ``z - tile_max`` (``_tile_stats_kernel`` with a buffer), or with
+    ``row_ref_ptr`` the factored sweep's e = exp(z - r), r the tile's reference
+    (``_exp_reference`` of its max and B_i; no bias or softcap there), so that p = e exp(r - lse)
+    and log p = log e + r - lse. ``_grad_logits`` then gives G as ``_tile_grad_kernel`` does from
+    recomputed logits. A program owns BLOCK_V columns (one logit tile: one tile max a row) and
+    walks down ``rows_per_program`` rows; with a bias it walks all of them, which gives the bias
+    gradient's column sums without atomics."""
+    pid_v = tl.program_id(0)
+    first_row = tl.program_id(1) * rows_per_program
+    last_row = tl.minimum(first_row + rows_per_program, n_rows)
+    num_tiles = tl.cdiv(vocab_size, BLOCK_V)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_v < vocab_size
+    bias_grad = tl.zeros((BLOCK_V,), tl.float32)
+    for n0 in range(first_row, last_row, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        row_mask = offs_n < last_row
+        offs_n64 = offs_n.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        ptrs = buffer_ptr + offs_n64[:, None] * stride_buf_n + offs_v[None, :]
+        tile_max = tl.load(tile_max_ptr + offs_n64 * num_tiles + pid_v, mask=row_mask, other=0.0)
+        lse = tl.load(lse_ptr + offs_n, mask=row_mask, other=0.0)
+        if row_ref_ptr is not None:
+            reference = _exp_reference(tile_max, tl.load(row_ref_ptr + offs_n, mask=row_mask, other=0.0),
+                                       ROW_REFERENCE=True)
+            stored = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            probs = stored * tl.exp(reference - lse)[:, None]
+            # (the entries flushed to 0 have p = 0: their log is never weighed)
+            logits = tl.log(tl.maximum(stored, 1e-38)) + reference[:, None]
+        else:
+            tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+            shifted = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+            logits = shifted + tile_max[:, None]
+            probs = tl.exp(shifted + (tile_max - lse)[:, None])
+        loss_grad = tl.load(loss_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        lse_grad = loss_grad  # (unused without lse_grad_ptr, as entropy_grad without its pointer)
+        if lse_grad_ptr is not None:
+            lse_grad = tl.load(lse_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        entropy_grad = loss_grad
+        if entropy_grad_ptr is not None:
+            entropy_grad = tl.load(entropy_grad_ptr + offs_n, mask=row_mask, other=0.0)
+        targets = _target_columns(tl.load(targets_ptr + offs_n, mask=row_mask, other=-1), vocab_size)
+        is_target = offs_v[None, :] == targets[:, None]
+        grad = _grad_logits(
+            probs, logits, is_target, lse, loss_grad, lse_grad, loss_grad, loss_grad, 0.0,
+            logit_scale, softcap, None, None,
+            HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=False, HAS_Z_LOSS=False,
+            HAS_LSE_GRAD=lse_grad_ptr is not None, HAS_CLASS_WEIGHT=False,
+            entropy_grad=entropy_grad, HAS_ENTROPY_GRAD=entropy_grad_ptr is not None,
+        )
+        grad = tl.where(mask, grad, 0.0)
+        tl.store(ptrs, grad.to(buffer_ptr.dtype.element_ty), mask=mask)
+        if bias_grad_ptr is not None:
+            bias_grad += tl.sum(grad, axis=0)
+    if bias_grad_ptr is not None:
+        acc = tl.load(bias_grad_ptr + offs_v, mask=col_mask, other=0.0)
+        tl.store(bias_grad_ptr + offs_v, acc + bias_grad, mask=col_mask)
+
+
 @triton.jit
 def _factor_rows(
     buffer_ptr, tile_max_ptr, row_max, row_ref, lse, loss_grad, targets, take_out, offs_r, row_mask,

@@ -576,6 +576,33 @@ def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, 
     return buffer
 
 
+def kept_row_bytes(vocab_size: int, dtype: torch.dtype, has_softcap: bool) -> int:
+    """A kept row's bytes: its buffer row in the inputs' dtype, its tile maxima and reference (fp32)."""
+    return vocab_size * (torch.finfo(dtype).bits // 8) + 4 * (triton.cdiv(vocab_size, tile_width(dtype)) + 1)
+
+
+def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, entropy_grad, opts: LossOptions,
+                   bias_grad_acc):
+    """Grad logits [rows, V] of kept rows, in place in ``buffer`` (``z - tile_max``, or with
+    ``row_ref`` the factored sweep's exponentials), by ``_grad_from_kept_kernel``; adds their
+    column sums to ``bias_grad_acc`` [V] fp32 unless None. Returns the buffer."""
+    n_rows, vocab_size = buffer.shape
+    assert buffer.stride() == (vocab_size, 1), "the kernel reads a contiguous buffer"
+    if n_rows == 0:
+        return buffer
+    # As ``grad_from_shifted``: without a bias, programs also split the rows (a pass bound by memory).
+    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
+    grid = (triton.cdiv(vocab_size, state.block_v), triton.cdiv(n_rows, rows_per_program))
+    K._grad_from_kept_kernel[grid](
+        buffer, state.tile_max, row_ref, lse, loss_grad, lse_grad, entropy_grad, targets, bias_grad_acc,
+        n_rows, rows_per_program, vocab_size, buffer.stride(0), *_scale_and_cap(opts),
+        BLOCK_N=16 if interpreting() else 32,
+        BLOCK_V=state.block_v,
+        num_warps=8,
+    )
+    return buffer
+
+
 def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
     """Whether a training chunk can keep exponentials and factor its gradient (``row_factors``):
     bf16 or fp32 (fp16's range cannot hold them), and no bias, softcap, label smoothing or

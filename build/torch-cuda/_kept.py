@@ -1,0 +1,277 @@
+"""Kept rows: a per-token forward keeps, for as many rows as a memory budget allows, what its
+backward makes their grad logits from, so that those rows skip the recomputed logit product.
+
+The per-token outputs (``fused_linear_log_probs``) take any upstream gradient, known only in the
+backward. A row recomputed there costs 2 N V H flops in the forward's sweep, 2 more to recompute
+its logits and 4 for the two products: 8 in all. A kept row skips the recompute: 6, as the loss's
+training step. Its forward sweep also stores the row's logits in the buffer's form of the
+training step (``row_stats`` with a buffer): on the Triton backend ``z - tile_max`` in the
+inputs' dtype, or, where the training step factors its gradient (bf16 and fp32 without bias or
+softcap), the factored sweep's exponentials exp(z - r) against the rows' references, which leave
+the statistics (and so every output) as they are without a buffer; on the PyTorch backend the
+fp32 exponentials. The backward turns them into grad logits in place (``grad_from_kept``, one pass
+over the kept rows) and adds the two products; the other rows with a gradient are recomputed.
+
+The bound. With u the unit roundoff of the stored dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32: the
+16-bit ones as the training step's buffer), g_i = d out / d log_probs_i, e_i = d out / d H_i,
+p = softmax(z_i), s_ij = (row max) - z_ij >= 0, and the kept grad logits G~ against the exact G
+(the recompute's, before its own rounding to the inputs' dtype) of d out / d z:
+
+    |G~_ij - G_ij| <= u |G_ij| + 2 u p_ij (1 + s_ij) (|g_i| + |e_i| (2 + |log p_ij + H_i|)),
+
+times d z / d u (logit scale, softcap derivative) for the raw logits, plus, with a softcap c,
+2 u s_ij |G_ij| / c for the derivative taken at the stored logit. The first term is the 16-bit
+rounding of G that the recompute and the training step pay too; the second is the stored value's
+own rounding, relative u in p for the exponentials (s_ij counts only for ``z - tile_max``, whose
+rounding is u s_ij absolute in log p). Summed over a row it is at most 2 u (|g_i| + |e_i| (2 + 2
+log V)) (1 + H_i + lse_i - max_j z_ij), so grad_hidden's and grad_weight's error is that of the
+training step's 16-bit buffer (tests/api/test_log_probs.py checks it against float64). fp32
+inputs keep fp32 (u = 2^-24); fp64 inputs (gradcheck) keep nothing, always recomputed.
+
+The budget (``budgets``): by default a call keeps no more than lets its peak stay at or under
+the peak of TRL's own head (``trl.kernels.ChunkedLogProbFunction``, as ``add_fused_lm_head``
+calls it) at the same shape. That head accumulates its gradient products in fp32 (its
+documentation), then returns them in the inputs' dtype, and its projection runs on tiles of
+4096 rows x 32768 columns (the glue's ``chunk_size``; the rows as observed through PyTorch's
+dispatch on a CPU) in the inputs' dtype:
+
+    trl_peak = (V + N) H (4 + e) + min(N, 4096) min(V, 32768) e      (e: element size, 0 for fp32)
+
+which is within 1.1% under the peaks measured on an H200 (bf16, N = 8192: Llama-3 3454 vs 3493
+MiB, Gemma-2 3739 vs 3761, Qwen-2.5 3542 vs 3577). Ours is the gradients, (V + N) H e, plus, where
+rows are recomputed, a training chunk (``backend.chunk_bytes``) and, per kept row, its
+``kept_row_bytes`` and the products' gathered rows (2 H e); MARGIN_BYTES stay free for the rest.
+``keep_mib`` (FLCE_KEEP_MIB) sets the budget instead, 0 turns it off.
+
+Not under vocabulary parallelism: the per-token outputs have no vocabulary-parallel form (their
+function takes no process group), so there are no sharded rows to keep. Not while traced
+(torch.compile: the operator's outputs are fixed tensors, and kept rows are a per-call variable
+set of them) or while a CUDA graph is captured: those calls recompute, as without a budget.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _chunked
+from ._settings import current as settings
+
+# TRL's head's projection tile (see the module docstring): rows, and the glue's chunk_size columns.
+TRL_TILE_ROWS = 4096
+TRL_TILE_COLUMNS = 32768
+# Left free of kept rows under TRL's peak: the step's tensors that the budget does not count one by
+# one (per-row vectors, the backward's row order, the products' fp32 blocks), a few MiB each.
+MARGIN_BYTES = 64 * 2**20
+
+
+def trl_peak_bytes(n_rows: int, vocab_size: int, hidden_size: int, element_size: int) -> int:
+    """Bytes of TRL's own head's peak over its inputs for a step of ``n_rows`` rows (module docstring)."""
+    result_bytes = element_size if element_size < 4 else 0  # fp32 accumulators are fp32 inputs' results
+    tile = min(n_rows, TRL_TILE_ROWS) * min(vocab_size, TRL_TILE_COLUMNS) * element_size
+    return (vocab_size + n_rows) * hidden_size * (4 + result_bytes) + tile
+
+
+def budgets(n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+            recompute_chunk_bytes: int) -> tuple[int, int]:
+    """(bytes the kept rows may take if every row with a gradient is kept, if some are recomputed
+    beside them in chunks of ``recompute_chunk_bytes``): ``keep_mib`` for both where set, else
+    what keeps the call's peak at or under TRL's head's (module docstring)."""
+    tuning = settings()
+    if tuning.keep_mib is not None:
+        return tuning.keep_mib * 2**20, tuning.keep_mib * 2**20
+    element_size = torch.finfo(dtype).bits // 8
+    our_grads = (vocab_size + n_rows) * hidden_size * element_size
+    room = trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads - MARGIN_BYTES
+    return max(0, room), max(0, room - recompute_chunk_bytes)
+
+
+@dataclass
+class KeptPart:
+    """Rows [start, end) of the forward's computed order, kept: the buffer [rows, V] that the
+    sweep stored into, its state, and the rows' references where the buffer holds exponentials."""
+
+    start: int
+    end: int
+    buffer: torch.Tensor
+    state: object
+    row_ref: torch.Tensor | None
+
+
+@dataclass
+class KeptRows:
+    """What a per-token forward kept: its first ``count`` computed rows, in parts. ``rows`` [count]
+    int64 are their indices (None: rows [0, count) in place). Used once: ``grad_from_kept`` turns
+    the buffers into grad logits in place."""
+
+    row_bytes: int  # a kept row's bytes, as the budget counts them
+    room: tuple[int, int]  # ``budgets``
+    parts: list[KeptPart] = field(default_factory=list)
+    count: int = 0
+    rows: torch.Tensor | None = None
+
+    def rows_to_keep(self, rows_with_target: int) -> int:
+        """Rows kept among ``rows_with_target`` (the count, or before it is known the rows of the
+        call): all of them where they fit in the first budget, else what the second holds."""
+        cap = settings().keep_rows
+        every, some = self.room
+        kept = rows_with_target if rows_with_target * self.row_bytes <= every else some // self.row_bytes
+        return min(kept, rows_with_target) if cap is None else min(kept, rows_with_target, cap)
+
+    def trim(self, count: int) -> None:
+        """Keeps only the first ``count`` rows (those with a target): their products are not paid for
+        the others (the buffers' memory stays until the backward)."""
+        self.parts = [_first_rows(part, count) for part in self.parts if part.start < count]
+        self.count = min(self.count, count)
+
+
+def _first_rows(part: KeptPart, count: int) -> KeptPart:
+    """``part`` cut at position ``count`` of the order: its buffer, state and references' first rows."""
+    if part.end <= count:
+        return part
+    rows = count - part.start
+    cut = [x[:rows] if isinstance(x, torch.Tensor) else x for x in part.state]
+    state = type(part.state)(*cut) if hasattr(part.state, "_fields") else tuple(cut)
+    return KeptPart(part.start, count, part.buffer[:rows], state, None if part.row_ref is None else part.row_ref[:rows])
+
+
+def first_order(kept: KeptRows, n_rows: int, row_grads: list[torch.Tensor | None]):
+    """(order int64 [N], count int64 [1]) for a backward with kept rows: the kept rows first, in
+    the forward's order (``kept.rows``), then the other rows where any of ``row_grads`` [N] is not
+    0 (computed by recomputation), then the rest; the count is that of the first two groups."""
+    device = row_grads[0].device
+    has_gradient = torch.zeros(n_rows, device=device, dtype=torch.bool)
+    for g in row_grads:
+        if g is not None:
+            has_gradient |= g != 0
+    group = torch.where(has_gradient, 1, 2).to(torch.int8)
+    if kept.rows is None:
+        group[: kept.count] = 0
+    else:
+        group.index_fill_(0, kept.rows, 0)
+    order = torch.argsort(group, stable=True)
+    if kept.rows is not None:  # (the stable sort has them in ascending order, not the forward's)
+        order = torch.cat([kept.rows, order[kept.count:]])
+    return order, (group < 2).sum().reshape(1)
+
+
+def forward_chunks(step) -> "KeptRows":
+    """The chunks of a per-token forward (``_chunked._ForwardStep``) whose backward will want
+    gradients: as ``_chunked._statistics_chunks``, but its first rows, as many as ``budgets``
+    allows, are swept into buffers that the backward makes their grad logits from; a chunk that
+    the budget cuts is swept in two."""
+    backend, opts, hidden = step.backend, step.opts, step.hidden
+    n_rows, hidden_size = hidden.shape
+    recompute_chunk = _chunked._plan_chunk(backend, n_rows, step.vocab_size, hidden_size, hidden.dtype, True,
+                                           None, weight_grad=True)
+    recompute_bytes = (backend.chunk_bytes(recompute_chunk, step.vocab_size, hidden.dtype, hidden_size)
+                       or 2 * recompute_chunk * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
+    # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
+    row_bytes = (backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap)
+                 + 2 * hidden_size * hidden.element_size())
+    kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes))
+    # The factored sweep's exponentials where the step takes references, as the statistics without a
+    # buffer then do (the same outputs); that sweep has no room for the logit sum or the squares.
+    exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
+    keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
+    for start, end, hidden_c, targets_c, _, _ in step.chunks():
+        if start > 0 and step.row_order is not None:
+            keep = max(keep, kept.rows_to_keep(step.row_order.rows_to_compute()))
+        cut = min(max(keep, start), end)
+        if cut > start:
+            rows = slice(0, cut - start)
+            buffer = backend.new_buffer(cut - start, step.vocab_size, hidden.dtype, hidden.device)
+            reference = step.reference_of(start, cut)
+            if reference is None and step.referenced:
+                reference = backend.row_reference(hidden_c[rows], step.weight, targets_c[rows], opts)
+            row_ref = reference[0] if exponentials else None
+            target_logit = (reference[1] if reference is not None
+                            else None if step.target_logits is None else step.target_logits[start:cut])
+            has_target = (targets_c[rows] != opts.ignore_index).float()  # (the exponentials' rows kept at all)
+            stats, state = backend.row_stats(
+                hidden_c[rows], step.weight, step.bias, targets_c[rows], opts, buffer, row_ref=row_ref,
+                loss_grad=has_target, class_weight=step.local_class_weight, target_logit=target_logit,
+                return_metrics=step.return_metrics, logit_sum=step.logit_sum, sum_sq=step.sum_sq)
+            step.finish(stats, start, cut)
+            kept.parts.append(KeptPart(start, cut, buffer, state, row_ref))
+            kept.count = cut
+        if cut < end:
+            rest = slice(cut - start, end - start)
+            stats, _, _ = step.row_stats(cut, end, hidden_c[rest], targets_c[rest], None, None)
+            step.finish(stats, cut, end)
+    row_order = step.row_order
+    if row_order is not None:
+        # A first chunk planned before the count was known may end in rows without a target: not kept.
+        kept.trim(row_order.rows_to_compute())
+        if kept.count > row_order.in_place:
+            kept.rows = row_order.order[: kept.count]
+    return kept
+
+
+class KeptFirstOrder:
+    """A backward's row order with the kept rows first (``first_order``), as ``_chunked._RowOrder``
+    serves the chunk loop: positions [0, kept) are the kept rows, [kept, count) the rows recomputed."""
+
+    def __init__(self, kept: "KeptRows", n_rows: int, row_grads: list):
+        self.order, self.count = first_order(kept, n_rows, row_grads)
+        self.n_rows = n_rows
+        self.kept_in_place = kept.rows is None
+        self.in_place = kept.count if self.kept_in_place else 0
+        self._count, self._ready = _chunked.copy_to_host(self.count)
+
+    def take(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the order, of ``t`` [N, ...]."""
+        return t[start:end] if end <= self.in_place else t.index_select(0, self.order[start:end])
+
+    def rows_to_compute(self) -> int:
+        """Positions of the order computed, kept or recomputed (waits for their count)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        total = int(self._count)
+        if total == self.n_rows and self.kept_in_place:  # kept rows [0, k), every other row recomputed
+            self.in_place = total
+        return total
+
+
+def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients, hidden, weight, per_row: tuple,
+                opts) -> None:
+    """The kept rows' share of a backward: each kept part's grad logits from its buffer (in place,
+    ``grad_from_kept``) and the two products; the parts' buffers are released as they are used."""
+    while kept.parts:
+        part = kept.parts.pop(0)  # (positions of the forward's order: the backward's first rows, the same order)
+        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
+            _chunked._chunk_of(t, row_order, part.start, part.end) for t in (hidden, *per_row))
+        grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c, loss_grad_c,
+                                             lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
+        start, end, part = part.start, part.end, None
+        gradients.add(start, end, hidden_c, grad_logits, weight)
+        grad_logits = None
+
+
+def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, chunk: int, hidden, weight, bias,
+                     opts, per_row: tuple, class_weight) -> None:
+    """The rows after the kept ones, positions [start, count) of ``row_order``, by recomputation, in
+    chunks of at most ``chunk`` rows (the count read once the kept rows' work is queued)."""
+    rest = row_order.rows_to_compute() - start
+    if rest <= 0:
+        return
+    buffer = backend.new_buffer(min(chunk, rest), weight.shape[0], hidden.dtype, hidden.device)
+    for first, last in _chunked._spans(rest, chunk, None, min(chunk, rest)):
+        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, smooth_grad_c, entropy_grad_c = (
+            _chunked._chunk_of(t, row_order, start + first, start + last) for t in (hidden, *per_row))
+        grad_logits = backend.grad_logits(
+            hidden_c, weight, bias, targets_c, lse_c, loss_grad_c, lse_grad_c, opts, buffer[: last - first],
+            gradients.bias_acc, class_weight, smooth_grad_c, entropy_grad_c,
+        )
+        gradients.add(start + first, start + last, hidden_c, grad_logits, weight)
+
+
+def backward(kept: KeptRows, backend, row_order: KeptFirstOrder, gradients, chunk: int, hidden, weight, bias, opts,
+             per_row: tuple, class_weight) -> None:
+    """A per-token backward with kept rows (``_chunked.backward``): the kept rows from their buffers,
+    then the other rows with a gradient by recomputation, into ``gradients`` (``_chunked._Gradients``);
+    ``per_row``: (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad) [N], None where absent."""
+    targets, lse, loss_grad, lse_grad, _, entropy_grad = per_row
+    _kept_grads(kept, backend, row_order, gradients, hidden, weight, (targets, lse, loss_grad, lse_grad, entropy_grad),
+                opts)
+    _recomputed_rows(backend, row_order, kept.count, gradients, chunk, hidden, weight, bias, opts, per_row,
+                     class_weight)
