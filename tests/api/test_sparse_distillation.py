@@ -52,7 +52,7 @@ def make_case(dtype, k, *, seed, bias=False):
     leaves = [None if t is None else t.to(DEVICE, dtype).requires_grad_() for t in (hidden, weight, b)]
     case = dict(top_ids=top_ids, top_log_probs=top_log_probs, tokens=tokens,
                 actual=teacher.gather(-1, tokens[..., None]).squeeze(-1), labels=labels)
-    return leaves, {name: t.to(DEVICE) for name, t in case.items()}  # TRL's reference gathers from the student's log-probs
+    return leaves, {name: t.to(DEVICE) for name, t in case.items()}  # beside the student's log-probs
 
 
 def student_log_softmax(leaves, temperature, softcap):
