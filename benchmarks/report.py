@@ -689,6 +689,111 @@ def trl_section(runs) -> str:
     return "\n".join(lines + [line for sentence in extra for line in ("", sentence)])
 
 
+# Distillation rows of bench.py (``distill-t{teacher}-b{beta}``, ``sparse-*``), in distill-h200-*.json runs.
+DISTILL_PEERS = ["trl-distill", "liger-jsd", "torch.compile-jsd"]
+DISTILL_TARGETS = {1.0: (0.6, 0.9), 0.0: (0.6, 0.9), 0.5: (0.7, 1.0)}  # beta: (of TRL's time, of the fastest peer's)
+SPARSE_TARGET = 1.15  # K = 100's step over our loss-only step at the same shape
+
+
+def _latest_run(pattern: str):
+    runs = recorded(pattern)
+    return max(runs, key=lambda item: item[1]["environment"]["date"]) if runs else (None, None)
+
+
+def distillation_section() -> str:
+    """The student/teacher divergence against TRL's kernel, Liger's fused JSD and torch.compile of the
+    plain JSD (step ms / peak MiB, ratios, gradient errors), and the sparse top-k losses against our own
+    loss step and torch.compile of TRL's loss on the logits, from the newest ``distill-h200-*.json``."""
+    name, data = _latest_run("distill-h200-*.json")
+    if data is None:
+        return "No distillation run recorded."
+    results = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
+    lines = ["Student: the Llama-3 head (4096, 128256), N = 8192, bf16, random heads; gradients to the student "
+             "only. Step ms (forward + backward, `do_bench` median) / peak MiB (gradients included); ✗ marks a "
+             "target missed (forward and reverse KL at most 0.6× TRL's time and 0.9× the fastest peer's, β = 0.5 "
+             "at most 0.7× and 1×, memory at most 0.5× TRL's).", "",
+             "| teacher hidden, β | ours | TRL | Liger | torch.compile | ours / TRL | ours / fastest peer "
+             "| memory / TRL | grad_weight err: ours / TRL |", "|---|---|---|---|---|---|---|---|---|"]
+    ours_of = {row: r for (row, method), r in results.items() if method == "flce-distill"}
+    rows = sorted(ours_of, key=lambda row: (ours_of[row]["teacher_hidden_size"], -ours_of[row]["beta"]))
+    for row in rows:
+        ours = results.get((row, "flce-distill"))
+        if ours is None:
+            continue
+        peers = {m: results[(row, m)] for m in DISTILL_PEERS if (row, m) in results}
+        cell = lambda r: f"{r['step_ms']:.1f} / {r['step_peak_mib']:.0f}"  # noqa: E731
+        of_trl, of_peer = DISTILL_TARGETS[ours["beta"]]
+        trl = peers.get("trl-distill")
+        fastest = min(r["step_ms"] for r in peers.values()) if peers else None
+        ratio_trl = ours["step_ms"] / trl["step_ms"] if trl else None
+        ratio_peer = ours["step_ms"] / fastest if fastest else None
+        memory = ours["step_peak_mib"] / trl["step_peak_mib"] if trl else None
+        mark = lambda ok: "" if ok else " ✗"  # noqa: E731
+        lines.append("| " + " | ".join([
+            f"{ours['teacher_hidden_size']}, {ours['beta']:g}", cell(ours),
+            *(cell(peers[m]) if m in peers else "—" for m in DISTILL_PEERS),
+            "—" if ratio_trl is None else f"{ratio_trl:.3f}{mark(ratio_trl <= of_trl)}",
+            "—" if ratio_peer is None else f"{ratio_peer:.3f}{mark(ratio_peer <= of_peer)}",
+            "—" if memory is None else f"{memory:.2f}{mark(memory <= 0.5)}",
+            f"{ours['grad_weight_err']:.1e} / {trl['grad_weight_err']:.1e}" if trl else "—"]) + " |")
+    sparse = sorted({row for row, _ in results if row.startswith("sparse-")})
+    if sparse:
+        lines += ["", "Sparse teacher targets (`fused_linear_sparse_kl` with the tail bucket at K = 20 and 100, "
+                  "`fused_linear_top1_divergence`), LM-like inputs, N = 8192 on the Llama-3 head: step ms / peak MiB, "
+                  f"against our loss-only step at the same shape (target at most {SPARSE_TARGET}× for K = 100) and "
+                  "torch.compile of TRL's loss on the materialised logits.", "",
+                  "| row | ours | our loss step | over the loss | torch.compile, TRL's loss |", "|---|---|---|---|---|"]
+        for row in sparse:
+            ours, loss, peer = (results.get((row, m)) for m in ("flce-sparse", "fused-linear-ce",
+                                                                "torch.compile-trl-sparse"))
+            if ours is None or loss is None:
+                continue
+            over = ours["step_ms"] / loss["step_ms"]
+            mark = " ✗" if row == "sparse-k100" and over > SPARSE_TARGET else ""
+            lines.append(f"| {row} | {ours['step_ms']:.1f} / {ours['step_peak_mib']:.0f} | {loss['step_ms']:.1f} / "
+                         f"{loss['step_peak_mib']:.0f} | {over:.2f}×{mark} | "
+                         + ("—" if peer is None else f"{peer['step_ms']:.1f} / {peer['step_peak_mib']:.0f}") + " |")
+    lines += ["", f"Run: `{name}` ({data['environment']['date'][:10]}, bf16 matmul at "
+              f"{data.get('matmul_tflops', 0):.0f} TFLOP/s in that run)."]
+    return "\n".join(lines)
+
+
+# The per-token trainers of bench.py (KEPT_METHODS): TRL's kernel, ours with kept rows, ours with none.
+TOKEN_KINDS = ["grpo", "grpo-coef0", "dpo", "kto", "rloo", "dft"]
+TOKEN_TARGET = 0.8
+
+
+def token_trainers_section(runs) -> str:
+    """Per head and trainer: TRL's head with TRL's kernel, with ours (kept rows at the default budget) and
+    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them."""
+    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
+             for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
+    found = [(name, results) for name, results in found if any(m.endswith("-keep0") for _, m in results)]
+    if not found:
+        return ""
+    name, results = found[-1]
+    lines = ["| head, ignored | trainer | TRL's kernel | ours, kept rows | ratio | ours, none kept (`FLCE_KEEP_MIB=0`) "
+             "| ratio | peak MiB: kept / none / TRL |", "|---|---|---|---|---|---|---|---|"]
+    for row in [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]:
+        for kind in TOKEN_KINDS:
+            trl, kept, none = (results.get((row, f"{head}-{kind}{budget}"))
+                               for head, budget in (("trl", ""), ("flce", ""), ("flce", "-keep0")))
+            if trl is None or kept is None:
+                continue
+            ratio = kept["step_ms"] / trl["step_ms"]
+            cells = [f"{row.split('-')[0]}, {'50%' if row.endswith('-masked') else '10%'}", kind,
+                     f"{trl['step_ms']:.1f}", f"{kept['step_ms']:.1f}",
+                     f"{ratio:.3f}{'' if ratio <= TOKEN_TARGET else ' ✗'}",
+                     "—" if none is None else f"{none['step_ms']:.1f}",
+                     "—" if none is None else f"{none['step_ms'] / trl['step_ms']:.3f}",
+                     " / ".join("—" if r is None else f"{r['step_peak_mib']:.0f}" for r in (kept, none, trl))]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"✗: over {TOKEN_TARGET}× TRL's step. Run: `{name}`. The per-token upstream gradients of these "
+              "trainers are known only in the backward; kept rows skip the logits' recompute (6·N·V·H against 8) "
+              "within a budget that keeps the peak at or under TRL's head's (docs/design.md, \"Kept rows\")."]
+    return "\n".join(lines)
+
+
 def cpu_runs():
     return recorded("cpu-*.json")
 
