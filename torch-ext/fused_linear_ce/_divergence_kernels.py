@@ -21,6 +21,7 @@ goes over the student's logits in place, in the gradient buffer's dtype.
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from ._kernels import _tanh
 
@@ -150,6 +151,12 @@ def _log_mixture(lp, lq, log_keep, log_beta):
     b = lq + log_beta
     high = tl.maximum(a, b)
     return high + tl.log(1.0 + tl.exp(tl.minimum(a, b) - high))
+
+
+def interpreted() -> bool:
+    """Whether the row kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when this module was
+    first imported): CPU tensors can take it then, and only then."""
+    return isinstance(_divergence_rows_kernel, InterpretedFunction)
 
 
 def block_size(n_cols: int, interpreted: bool) -> tuple[int, int]:
