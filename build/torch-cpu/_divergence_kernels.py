@@ -100,6 +100,7 @@ def _divergence_rows_kernel(
         divergence = kl_dot / s_sum - s_lse + t_lse
     else:
         # Pass 2 (JSD): the mixture needs both lse's first.
+        beta = zero + beta  # (in the rows' dtype: a float argument is fp32, exact where beta is an fp32 number)
         log_keep = tl.log(1.0 - beta)
         log_beta = tl.log(beta)
         teacher_part, mean_a = zero, zero
