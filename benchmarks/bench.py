@@ -580,7 +580,10 @@ def make_distill_method(name: str, flce, beta: float):
 
         return trl_divergence
     if name == "liger-jsd":  # Liger's mean over the tokens; shift_labels (its 5th argument) None
-        from liger_kernel.transformers import LigerFusedLinearJSD
+        try:
+            from liger_kernel.transformers import LigerFusedLinearJSD
+        except ImportError:
+            from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
 
         jsd = LigerFusedLinearJSD(jsd_beta=beta, temperature=1.0)
         return lambda h, w, t: jsd(h, w, t[0], t[1], None)

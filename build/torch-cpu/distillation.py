@@ -134,9 +134,12 @@ def _sweep(student, teacher, spec: _Spec, want: tuple[bool, bool, bool], grad_sc
     n_rows, vocab_size = hidden.shape[0], weight.shape[0]
     acc = accumulation_dtype(hidden.dtype)
     backend = backend_for(hidden.device)
-    interpreted = backend is not _torch_backend and hidden.device.type == "cpu"
+    interpreted = hidden.device.type == "cpu"
     if backend is not _torch_backend:
-        from ._divergence_kernels import divergence_rows
+        from . import _divergence_kernels as kernels
+
+        if interpreted and not kernels.interpreted():  # (decorated before TRITON_INTERPRET=1 was set)
+            backend = _torch_backend
     chunk = _chunk_rows(n_rows, vocab_size, hidden.shape[1], acc, hidden.dtype, any(want))
     n_chunks = _cdiv(n_rows, chunk)
     gradients = _Gradients(hidden, vocab_size, want, chunk, n_chunks, None, None) if any(want) else None
@@ -157,8 +160,8 @@ def _sweep(student, teacher, spec: _Spec, want: tuple[bool, bool, bool], grad_sc
             out = _torch_rows(student_logits, teacher_logits, grad_logits, bias, teacher[2], rows_grad, spec,
                               grad_scale)
         else:
-            out = divergence_rows(student_logits, teacher_logits, grad_logits, bias, teacher[2], rows_grad,
-                                  *spec, grad_scale, interpreted)
+            out = kernels.divergence_rows(student_logits, teacher_logits, grad_logits, bias, teacher[2],
+                                          rows_grad, *spec, grad_scale, interpreted)
         divergence[start:end], entropy[start:end] = out
         if gradients is not None:
             gradients.add(start, end, hidden[start:end], grad_logits, weight)
@@ -219,9 +222,13 @@ class _FusedDivergence(torch.autograd.Function):
         return (*_recomputed(hidden, weight, bias, teacher, grad_divergence, ctx.spec, ctx.want), *nones)
 
 
-# Run eagerly under torch.compile (a graph break): the sweep's chunk loop, its host-side plan
-# and the backward's host read of the upstream gradient are not traceable as they are.
-_apply = torch.compiler.disable(_FusedDivergence.apply)
+def _apply(*args) -> tuple[Tensor, Tensor]:
+    """``_FusedDivergence.apply``, run eagerly under torch.compile (a graph break): the sweep's
+    chunk loop, its host-side plan and the backward's host read of the upstream gradient are not
+    traceable as they are. (``torch.compiler.disable`` only there: it imports torch._dynamo.)"""
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_FusedDivergence.apply)(*args)
+    return _FusedDivergence.apply(*args)
 
 
 def _recomputed(hidden, weight, bias, teacher, grad_divergence, spec: _Spec, want) -> tuple:

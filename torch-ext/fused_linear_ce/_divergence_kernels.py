@@ -21,6 +21,7 @@ goes over the student's logits in place, in the gradient buffer's dtype.
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from ._kernels import _tanh
 
@@ -99,6 +100,7 @@ def _divergence_rows_kernel(
         divergence = kl_dot / s_sum - s_lse + t_lse
     else:
         # Pass 2 (JSD): the mixture needs both lse's first.
+        beta = zero + beta  # (in the rows' dtype: a float argument is fp32, exact where beta is an fp32 number)
         log_keep = tl.log(1.0 - beta)
         log_beta = tl.log(beta)
         teacher_part, mean_a = zero, zero
@@ -150,6 +152,12 @@ def _log_mixture(lp, lq, log_keep, log_beta):
     b = lq + log_beta
     high = tl.maximum(a, b)
     return high + tl.log(1.0 + tl.exp(tl.minimum(a, b) - high))
+
+
+def interpreted() -> bool:
+    """Whether the row kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when this module was
+    first imported): CPU tensors can take it then, and only then."""
+    return isinstance(_divergence_rows_kernel, InterpretedFunction)
 
 
 def block_size(n_cols: int, interpreted: bool) -> tuple[int, int]:
