@@ -25,9 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _chunked
 from ._chunked import backend_for
 from ._dtensor import has_dtensor
-from ._ops import DOUBLE_BACKWARD_ERROR, NAMESPACE, _no_autocast, _token_backward_grads, _token_forward, _traced
+from ._ops import (
+    DOUBLE_BACKWARD_ERROR,
+    NAMESPACE,
+    _keeps_rows,
+    _no_autocast,
+    _token_backward_grads,
+    _token_outputs,
+    _traced,
+)
 from ._options import LossOptions, accumulation_dtype
 from .interface import (
     _autocast,
@@ -143,23 +152,31 @@ def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return first, ids.gather(-1, first).squeeze(-1)
 
 
+def _sparse_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args,
+                    keep: bool = False) -> tuple[tuple[Tensor, ...], "_chunked._kept.KeptRows | None"]:
+    """(``_sparse_forward``'s outputs, what the sweep kept for the backward: with ``keep``, the
+    rows that ``_kept`` keeps, as the per-token forward does; else None)."""
+    opts = LossOptions.from_op_args(args)
+    key, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    first, row_ids = _first_ids(ids, opts.ignore_index)
+    (lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_), kept = _token_outputs(
+        hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False,
+        keep=keep)
+    valid = ids != opts.ignore_index
+    with _no_autocast(hidden):  # the inputs are cast already; the products keep their dtype
+        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
+    log_probs = torch.where(valid, logits - lse[:, None], 0.0)
+    log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
+    return (log_probs, lse, entropy, mean_logits, log_sum_sq, logits), kept
+
+
 def _sparse_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> tuple[Tensor, ...]:
     """(log_probs [N, K], lse, entropy, mean_logits, log_sum_sq_probs [N], logits [N, K]) of ``ids``
     [N, K] under the options in ``args`` (flat ``LossOptions``, then the outputs' names and which
     statistics the sweep keeps, as ``_ops._token_forward``); statistics not asked for are empty.
     One sweep against each row's first id gives lse (and the row's statistics); the K final
     logits come from dot products (``_picked_logits``)."""
-    opts = LossOptions.from_op_args(args)
-    key, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
-    first, row_ids = _first_ids(ids, opts.ignore_index)
-    lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_ = _token_forward(
-        hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False)
-    valid = ids != opts.ignore_index
-    with _no_autocast(hidden):  # the inputs are cast already; the products keep their dtype
-        logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
-    log_probs = torch.where(valid, logits - lse[:, None], 0.0)
-    log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
-    return log_probs, lse, entropy, mean_logits, log_sum_sq, logits
+    return _sparse_outputs(hidden, weight, ids, bias, *args)[0]
 
 
 sparse_forward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_forward", _sparse_forward, mutates_args=(),
@@ -181,11 +198,12 @@ def _(hidden, weight, ids, bias, *args):
 
 def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, lse: Tensor,
                            entropy: Tensor, logits: Tensor, log_prob_grad: Tensor, entropy_grad: Tensor | None,
-                           *args) -> tuple[Tensor, Tensor, Tensor]:
+                           *args, kept=None) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias), empty where not asked for, for d out / d log_probs
     [N, K] and d out / d entropy [N] (or None): the row's first id through the per-token
     backward as its target, with d out / d lse = -(the other ids' sum), then the other ids'
-    sparse terms (``_add_sparse_terms``)."""
+    sparse terms (``_add_sparse_terms``). Rows the forward ``kept`` take their softmax from it
+    instead of a recompute of their logits."""
     opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
     first, row_ids = _first_ids(ids, opts.ignore_index)
     valid = ids != opts.ignore_index
@@ -198,8 +216,13 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
         row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
         entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
         lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
-    grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
-                                  row_entropy_grad, *opts.op_args(), *want)
+    if kept is not None:
+        with _no_autocast(hidden):
+            grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
+                                      want, entropy_grad=row_entropy_grad, kept=kept)
+    else:
+        grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
+                                      row_entropy_grad, *opts.op_args(), *want)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
     if ids.shape[1] > 1:
         with _no_autocast(hidden):
@@ -225,6 +248,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, mean_logits, log_sum_sq, logits)
     ctx.set_materialize_grads(False)
     ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    ctx.kept = None  # what the eager forward kept (``_EagerSparseForward``)
     # the bias as the forward saw it (F.linear does not save its bias; see _ops._setup_context)
     ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), lse, entropy, logits)
 
@@ -240,9 +264,11 @@ def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
     hidden, weight, ids, bias, lse, entropy, logits = ctx.saved_tensors
     if log_prob_grad is None:
         log_prob_grad = torch.zeros_like(logits)
-    grads = _traced(sparse_backward_op, _sparse_backward_grads, hidden)(
-        hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad,
-        *ctx.options.op_args(), *want)
+    kept, ctx.kept = ctx.kept, None  # used once: the backward turns its buffers into grad logits
+    backward = (_traced(sparse_backward_op, _sparse_backward_grads, hidden) if kept is None
+                else lambda *args: _sparse_backward_grads(*args, kept=kept))
+    grads = backward(hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad,
+                     *ctx.options.op_args(), *want)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
     return grads[0], grads[1], None, grads[2], *([None] * (num_inputs - 4))
 
@@ -255,8 +281,9 @@ class _EagerSparseForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        output = _sparse_forward(*args)
+        output, kept = _sparse_outputs(*args, keep=_keeps_rows(ctx, args[0], ()))
         _setup_context(ctx, args, output)
+        ctx.kept = kept if kept is not None and kept.count > 0 else None
         return output
 
     backward = staticmethod(_backward)
