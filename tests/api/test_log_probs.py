@@ -402,3 +402,20 @@ def test_empty_batch_gives_zero_gradients(flce, path, grad_in_forward):
     ref = reference(h64, w64, targets)
     (-ref["log_probs"].sum() + 0.01 * ref["entropy"].sum()).backward()
     assert hidden.grad.shape == (0, 8) and torch.equal(weight.grad.double(), w64.grad)
+
+
+def test_kept_rows_backward_twice_recomputes(flce, tune):
+    """retain_graph=True: the first backward turns the kept buffers into grad logits, so the second
+    recomputes; both give float64 autograd's gradients (accumulated twice)."""
+    tune(keep_mib=1)
+    hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=16, ignore=0.2)
+    weights = torch.randn(24, generator=torch.Generator().manual_seed(17), dtype=torch.float64).to(DEVICE)
+    out = flce.fused_linear_log_probs(hidden, weight, targets, grad_in_forward=False)
+    loss = (out.log_probs.double() * weights).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (2 * (reference(h64, w64, targets)["log_probs"] * weights).sum()).backward()
+    for name, g, e in zip(("grad_hidden", "grad_weight"), (hidden.grad, weight.grad), (h64.grad, w64.grad),
+                          strict=True):
+        assert_rel(g, e, tolerance(torch.float32, "grad"), name)
