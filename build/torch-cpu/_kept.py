@@ -10,7 +10,9 @@ inputs' dtype, or, where the training step factors its gradient (bf16 and fp32 w
 softcap), the factored sweep's exponentials exp(z - r) against the rows' references, which leave
 the statistics (and so every output) as they are without a buffer; on the PyTorch backend the
 fp32 exponentials. The backward turns them into grad logits in place (``grad_from_kept``, one pass
-over the kept rows) and adds the two products; the other rows with a gradient are recomputed.
+over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
+kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
+bonus) is left out, as the recompute leaves such rows out: its part's other rows move up in place.
 
 The bound. With u the unit roundoff of the stored dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32: the
 16-bit ones as the training step's buffer), g_i = d out / d log_probs_i, e_i = d out / d H_i,
