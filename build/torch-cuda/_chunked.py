@@ -950,8 +950,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     row_grads = [loss_grad, lse_grad, smooth_grad, entropy_grad]
     if kept is not None:
         row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
-        gradients = _Gradients(hidden, vocab_size, grads, chunk, len(kept.parts) + _cdiv(n_rows - kept.count, chunk),
-                               row_order, shard)
+        gradients = _Gradients(hidden, vocab_size, grads, chunk, row_order.chunks(chunk), row_order, shard)
         _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
                        (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_class_weight)
         return gradients.finish(hidden.dtype, bias, backend)

@@ -306,7 +306,7 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
     by the budget, or none), recomputed and ignored. The gradients are within ``_kept``'s bound of
     float64 autograd (elementwise), equal to the recomputing backward's within the dtype's
     tolerance, and exactly 0 on the rows without gradient; the backward computes each row with a
-    gradient once, from its kept buffer or by recomputation."""
+    gradient once, from its kept buffer or by recomputation, and no row without one."""
     options = dict(options)
     hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=12, bias=options.pop("bias", False),
                                                 ignore=0.2, device=path.device)
@@ -335,11 +335,12 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
 
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
     got = _grads(loss, tensors)
-    with_target = int((targets != -100).sum())
     with_gradient = (log_prob_weight != 0) & (targets != -100)
-    kept = {"all": with_target, "some": 11, "off": 0}[budget]
-    assert rows["kept"] == kept, rows
-    assert rows["kept"] + rows["recomputed"] >= int(with_gradient.sum()), rows
+    # the kept rows: the first rows with a target (all, 11 or none); those without gradient are left out
+    kept_rows = torch.nonzero(targets != -100)[:, 0][: {"all": 36, "some": 11, "off": 0}[budget]]
+    kept = int(with_gradient[kept_rows].sum())
+    assert rows["kept"] == kept and 0 < kept < len(kept_rows) or budget == "off", (rows, len(kept_rows))
+    assert rows["recomputed"] == int(with_gradient.sum()) - kept, rows
     assert torch.equal(got[0][~with_gradient], torch.zeros_like(got[0][~with_gradient]))
     h64, w64, b64 = (None if t is None else t.detach().double().requires_grad_() for t in (hidden, weight, bias))
     ref = reference(h64, w64, targets, b64, **options)
@@ -402,3 +403,20 @@ def test_empty_batch_gives_zero_gradients(flce, path, grad_in_forward):
     ref = reference(h64, w64, targets)
     (-ref["log_probs"].sum() + 0.01 * ref["entropy"].sum()).backward()
     assert hidden.grad.shape == (0, 8) and torch.equal(weight.grad.double(), w64.grad)
+
+
+def test_kept_rows_backward_twice_recomputes(flce, tune):
+    """retain_graph=True: the first backward turns the kept buffers into grad logits, so the second
+    recomputes; both give float64 autograd's gradients (accumulated twice)."""
+    tune(keep_mib=1)
+    hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=16, ignore=0.2)
+    weights = torch.randn(24, generator=torch.Generator().manual_seed(17), dtype=torch.float64).to(DEVICE)
+    out = flce.fused_linear_log_probs(hidden, weight, targets, grad_in_forward=False)
+    loss = (out.log_probs.double() * weights).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (2 * (reference(h64, w64, targets)["log_probs"] * weights).sum()).backward()
+    for name, g, e in zip(("grad_hidden", "grad_weight"), (hidden.grad, weight.grad), (h64.grad, w64.grad),
+                          strict=True):
+        assert_rel(g, e, tolerance(torch.float32, "grad"), name)

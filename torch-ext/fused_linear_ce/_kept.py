@@ -10,7 +10,9 @@ inputs' dtype, or, where the training step factors its gradient (bf16 and fp32 w
 softcap), the factored sweep's exponentials exp(z - r) against the rows' references, which leave
 the statistics (and so every output) as they are without a buffer; on the PyTorch backend the
 fp32 exponentials. The backward turns them into grad logits in place (``grad_from_kept``, one pass
-over the kept rows) and adds the two products; the other rows with a gradient are recomputed.
+over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
+kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
+bonus) is left out, as the recompute leaves such rows out: its part's other rows move up in place.
 
 The bound. With u the unit roundoff of the stored dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32: the
 16-bit ones as the training step's buffer), g_i = d out / d log_probs_i, e_i = d out / d H_i,
@@ -135,23 +137,54 @@ def _first_rows(part: KeptPart, count: int) -> KeptPart:
 
 
 def first_order(kept: KeptRows, n_rows: int, row_grads: list[torch.Tensor | None]):
-    """(order int64 [N], count int64 [1]) for a backward with kept rows: the kept rows first, in
-    the forward's order (``kept.rows``), then the other rows where any of ``row_grads`` [N] is not
-    0 (computed by recomputation), then the rest; the count is that of the first two groups."""
-    device = row_grads[0].device
-    has_gradient = torch.zeros(n_rows, device=device, dtype=torch.bool)
+    """(order int64 [N], has_gradient bool [N], counts) for a backward with kept rows, where a row
+    has a gradient if any of ``row_grads`` [N] is not 0 there: each kept part's rows with a
+    gradient (in the forward's order, ascending as the rows with a target are), then the other rows
+    with a gradient (recomputed), then the rest (grad_hidden 0); ``counts`` (one host read) the rows
+    of each part's group, then the recomputed rows'."""
+    has_gradient = torch.zeros(n_rows, device=row_grads[0].device, dtype=torch.bool)
     for g in row_grads:
         if g is not None:
             has_gradient |= g != 0
-    group = torch.where(has_gradient, 1, 2).to(torch.int8)
-    if kept.rows is None:
-        group[: kept.count] = 0
-    else:
-        group.index_fill_(0, kept.rows, 0)
+    n_parts = len(kept.parts)
+    group = torch.where(has_gradient, n_parts, n_parts + 1).to(torch.int32)
+    for p, part in enumerate(kept.parts):
+        rows = part_rows(kept, part)
+        if isinstance(rows, slice):
+            group[rows] = torch.where(has_gradient[rows], p, n_parts + 1).to(torch.int32)
+        else:
+            group.index_copy_(0, rows, torch.where(has_gradient[rows], p, n_parts + 1).to(torch.int32))
     order = torch.argsort(group, stable=True)
-    if kept.rows is not None:  # (the stable sort has them in ascending order, not the forward's)
-        order = torch.cat([kept.rows, order[kept.count:]])
-    return order, (group < 2).sum().reshape(1)
+    counts = torch.bincount(group, minlength=n_parts + 2)[: n_parts + 1].tolist()
+    return order, has_gradient, counts
+
+
+def part_rows(kept: KeptRows, part: KeptPart):
+    """The rows of ``part`` (their indices, or a slice where the kept rows are in place)."""
+    return slice(part.start, part.end) if kept.rows is None else kept.rows[part.start: part.end]
+
+
+def _compact_rows_(t: torch.Tensor, rows: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """t[:k] = t[rows] in place (rows [k] ascending), a block of ``block`` rows at a time: row i's
+    source rows[i] >= i, so a block reads no row that an earlier block wrote, and its gathered copy
+    is the only temporary. Returns t[:k]."""
+    for start in range(0, rows.shape[0], block):
+        picked = rows[start: start + block]
+        t[start: start + picked.shape[0]] = t.index_select(0, picked)
+    return t[: rows.shape[0]]
+
+
+def _rows_with_gradient(part: KeptPart, local: torch.Tensor) -> KeptPart:
+    """``part`` with only its rows ``local`` (ascending indices into it), moved to its first rows in
+    place: the buffer, the state's per-row tensors and the references."""
+    n_rows = part.end - part.start
+
+    def compacted(t):
+        return _compact_rows_(t, local) if isinstance(t, torch.Tensor) and t.shape[0] == n_rows else t
+
+    state = [compacted(x) for x in part.state]
+    state = type(part.state)(*state) if hasattr(part.state, "_fields") else tuple(state)
+    return KeptPart(part.start, part.start + local.shape[0], compacted(part.buffer), state, compacted(part.row_ref))
 
 
 def forward_chunks(step) -> "KeptRows":
@@ -208,49 +241,59 @@ def forward_chunks(step) -> "KeptRows":
 
 
 class KeptFirstOrder:
-    """A backward's row order with the kept rows first (``first_order``), as ``_chunked._RowOrder``
-    serves the chunk loop: positions [0, kept) are the kept rows, [kept, count) the rows recomputed."""
+    """A backward's row order with the kept rows that have a gradient first (``first_order``), as
+    ``_chunked._RowOrder`` serves the chunk loop: positions [0, kept) are those rows, part after
+    part, [kept, count) the rows recomputed."""
 
     def __init__(self, kept: "KeptRows", n_rows: int, row_grads: list):
-        self.order, self.count = first_order(kept, n_rows, row_grads)
+        self.order, self.has_gradient, counts = first_order(kept, n_rows, row_grads)
+        self.part_rows, self.kept = counts[:-1], sum(counts[:-1])
+        self.total = self.kept + counts[-1]
         self.n_rows = n_rows
-        self.kept_in_place = kept.rows is None
-        self.in_place = kept.count if self.kept_in_place else 0
-        self._count, self._ready = _chunked.copy_to_host(self.count)
+        # rows [0, kept.count) in place, each with a gradient: the order begins as the identity
+        identity = kept.rows is None and self.kept == kept.count
+        self.in_place = 0 if not identity else n_rows if self.total == n_rows else kept.count
 
     def take(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the order, of ``t`` [N, ...]."""
         return t[start:end] if end <= self.in_place else t.index_select(0, self.order[start:end])
 
     def rows_to_compute(self) -> int:
-        """Positions of the order computed, kept or recomputed (waits for their count)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        total = int(self._count)
-        if total == self.n_rows and self.kept_in_place:  # kept rows [0, k), every other row recomputed
-            self.in_place = total
-        return total
+        """Positions of the order computed, kept or recomputed."""
+        return self.total
+
+    def chunks(self, chunk: int) -> int:
+        """The chunks of the backward: the kept parts with a gradient, and chunks of at most
+        ``chunk`` recomputed rows."""
+        return sum(1 for rows in self.part_rows if rows) + -(-(self.total - self.kept) // chunk)
 
 
 def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients, hidden, weight, per_row: tuple,
                 opts) -> None:
-    """The kept rows' share of a backward: each kept part's grad logits from its buffer (in place,
-    ``grad_from_kept``) and the two products; the parts' buffers are released as they are used."""
-    while kept.parts:
-        part = kept.parts.pop(0)  # (positions of the forward's order: the backward's first rows, the same order)
-        hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
-            _chunked._chunk_of(t, row_order, part.start, part.end) for t in (hidden, *per_row))
-        grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c, loss_grad_c,
-                                             lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
-        start, end, part = part.start, part.end, None
-        gradients.add(start, end, hidden_c, grad_logits, weight)
-        grad_logits = None
+    """The kept rows' share of a backward: each kept part's rows with a gradient (moved to its first
+    rows where others have none), their grad logits from the buffer (in place, ``grad_from_kept``)
+    and the two products; the parts' buffers are released as they are used."""
+    position = 0
+    for rows_with_gradient in row_order.part_rows:
+        part = kept.parts.pop(0)
+        if 0 < rows_with_gradient < part.end - part.start:
+            local = torch.nonzero(row_order.has_gradient[part_rows(kept, part)])[:, 0]
+            part = _rows_with_gradient(part, local)
+        if rows_with_gradient:
+            end = position + rows_with_gradient
+            hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
+                _chunked._chunk_of(t, row_order, position, end) for t in (hidden, *per_row))
+            grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c,
+                                                 loss_grad_c, lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
+            part = None
+            gradients.add(position, end, hidden_c, grad_logits, weight)
+            grad_logits, position = None, end
 
 
 def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, chunk: int, hidden, weight, bias,
                      opts, per_row: tuple, class_weight) -> None:
     """The rows after the kept ones, positions [start, count) of ``row_order``, by recomputation, in
-    chunks of at most ``chunk`` rows (the count read once the kept rows' work is queued)."""
+    chunks of at most ``chunk`` rows."""
     rest = row_order.rows_to_compute() - start
     if rest <= 0:
         return
@@ -273,5 +316,5 @@ def backward(kept: KeptRows, backend, row_order: KeptFirstOrder, gradients, chun
     targets, lse, loss_grad, lse_grad, _, entropy_grad = per_row
     _kept_grads(kept, backend, row_order, gradients, hidden, weight, (targets, lse, loss_grad, lse_grad, entropy_grad),
                 opts)
-    _recomputed_rows(backend, row_order, kept.count, gradients, chunk, hidden, weight, bias, opts, per_row,
+    _recomputed_rows(backend, row_order, row_order.kept, gradients, chunk, hidden, weight, bias, opts, per_row,
                      class_weight)

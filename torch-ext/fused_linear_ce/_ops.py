@@ -483,7 +483,8 @@ def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, *ar
 # losses) recomputes them after its first step. A backward that did not take the sweep's
 # gradients still checks its weights (one small launch, read by the next forward: ``_pending``),
 # so that the sweep re-arms once they are equal again: [sft, sft, rl, sft, sft] computes the
-# gradients in the sweep of calls 1, 2 and 5 (call 3 finds them unequal, call 4 equal).
+# gradients in the sweep of calls 1, 2, 3 and 5 (call 3's backward finds them unequal and
+# recomputes, call 4's finds them equal).
 _uniform_grads: dict[str, bool] = {}
 _pending: dict[str, tuple] = {}  # outputs -> (host flag [1], ready event or None), from a later backward
 
