@@ -9,6 +9,11 @@ the refusal. scripts/patch_scan.py writes docs/patch-scan.md from these; the tes
 tests/integrations/test_patch_scan.py.
 """
 
+import ast
+import inspect
+import re
+import textwrap
+
 import torch
 
 VOCAB = 128
@@ -18,21 +23,21 @@ SIZES = {  # a config attribute -> its tiny value (applied to the text, vision a
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "vision_intermediate_size",
                      "mlp_hidden_size", "intermediate_size_mlp"), 64),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "ffn_hidden_size_moe", "hidden_size_per_layer_input",
-                     "vocab_size_per_layer_input"), 16),
+                     "moe_shared_expert_intermediate_size", "ffn_hidden_size_moe", "hidden_size_per_layer_input"), 16),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
                      "depth", "num_encoder_layers", "num_decoder_layers", "text_num_hidden_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
                      "n_heads", "attention_heads"), 4),
-    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"), 2),
+    # as many as the query heads: multi-head latent attention (DeepSeek-V3) takes no fewer
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "n_kv_heads"), 4),
     **dict.fromkeys(("head_dim", "kv_channels", "qk_head_dim", "v_head_dim", "qk_nope_head_dim", "qk_rope_head_dim",
                      "attention_head_dim", "mamba_d_head", "mamba_head_dim", "linear_key_head_dim",
                      "linear_value_head_dim"), 8),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 16),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "moe_k"), 2),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
-    **dict.fromkeys(("vocab_size", "text_vocab_size"), VOCAB),
+    **dict.fromkeys(("vocab_size", "text_vocab_size", "vocab_size_per_layer_input"), VOCAB),
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size", "d_state", "time_step_rank"), 8),
     **dict.fromkeys(("mamba_n_heads", "num_linear_key_heads", "num_linear_value_heads", "linear_num_key_heads",
                      "linear_num_value_heads", "n_groups", "mamba_n_groups"), 2),
@@ -46,6 +51,18 @@ SENSITIVE = {"final_logit_softcapping": 2.0, "logits_soft_cap": 2.0, "output_log
 OFF = {"output_router_logits": False, "use_cache": False, "tie_word_embeddings": False,
        **{k: 0.0 for k in ("hidden_dropout", "attention_dropout", "hidden_dropout_prob", "dropout",
                            "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop")}}
+# Sizes left None by a default config that its model then needs (head_dim of Ministral, HunYuan).
+NEEDED = ("head_dim", "num_key_value_heads")
+# model type -> sizes that must agree with each other beyond the shrunk ones
+OVERRIDES = {
+    "bamba": {"mamba_expand": 2, "mamba_d_head": 8, "mamba_n_heads": 8},
+    "granitemoehybrid": {"mamba_expand": 2, "mamba_d_head": 8, "mamba_n_heads": 8},
+    "mamba2": {"num_heads": 8, "head_dim": 8, "expand": 2},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    "gptj": {"rotary_dim": 4},
+    "codegen": {"rotary_dim": 4},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+}
 TOO_LARGE = 4_000_000  # parameters: the shrinking missed a size
 
 
@@ -53,9 +70,14 @@ def _tiny_values(defaults: dict) -> dict:
     """The keyword arguments that shrink a config of these default values (nested configs too)."""
     values = {}
     for key, value in defaults.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if key == "per_layer_config" and isinstance(value, dict):  # {layer index: its own sizes}
+            values[key] = {k: {**v, **_tiny_values({"head_dim": v.get("head_dim")})} for k, v in value.items()
+                           if int(k) < 2}
+        elif isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             values[key] = {**value, **_tiny_values(value)}
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value > SIZES[key]:
+            values[key] = SIZES[key]
+        elif key in NEEDED and value is None:
             values[key] = SIZES[key]
         elif key in SENSITIVE and value is not None:
             values[key] = SENSITIVE[key]
@@ -67,6 +89,8 @@ def _tiny_values(defaults: dict) -> dict:
             values[key] = value[:2]
         elif key in SIZES and isinstance(value, list) and all(isinstance(v, int) for v in value):  # one per layer
             values[key] = [min(v, SIZES[key]) for v in value[:2]]
+        elif isinstance(value, list) and len(value) == defaults.get("num_hidden_layers", -1):  # one per layer
+            values[key] = value[:2]
     return values
 
 
@@ -77,16 +101,29 @@ def causal_lm_class(model_type: str):
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def tiny_model(model_type: str):
-    """(model class, a float32 tiny model in eval mode) for a model type; raises what building raised,
-    or a RuntimeError if the shrunk model is still large."""
+def tiny_config(model_type: str):
+    """The default config of a model type with every size shrunk (``_tiny_values``, ``OVERRIDES``)."""
     from transformers import AutoConfig
 
     cls = causal_lm_class(model_type)
     defaults = AutoConfig.for_model(model_type).to_dict()
-    config = AutoConfig.for_model(model_type, **_tiny_values(defaults))
+    config = AutoConfig.for_model(model_type, **{**_tiny_values(defaults), **OVERRIDES.get(model_type, {})})
+    if not isinstance(config, cls.config_class):  # a text model under a multimodal model type (Llama-4, Qwen3.5)
+        config = config.get_text_config()
+    return config
+
+
+def meta_model(model_type: str):
+    """The tiny model on the meta device (no data): what ``patch_forward`` checks, without the cost."""
     with torch.device("meta"):
-        size = sum(p.numel() for p in cls(config).parameters())
+        return causal_lm_class(model_type)(tiny_config(model_type))
+
+
+def tiny_model(model_type: str):
+    """(model class, a float32 tiny model in eval mode) for a model type; raises what building raised,
+    or a RuntimeError if the shrunk model is still large."""
+    cls, config = causal_lm_class(model_type), tiny_config(model_type)
+    size = sum(p.numel() for p in meta_model(model_type).parameters())
     if size > TOO_LARGE:
         raise RuntimeError(f"{size / 1e6:.0f}M parameters after shrinking the default config")
     torch.manual_seed(0)
@@ -142,15 +179,43 @@ def compare(flce, model, vocab: int = VOCAB) -> dict:
             "extra_grads": sorted(fused_grads.keys() - own_grads.keys())}
 
 
-def scan(flce, model_type: str) -> dict:
+def forward_key(cls: type) -> str:
+    """``cls.forward`` as code, without its docstring, annotations and output class names: the model
+    types of one key run the same head code (36 Llama-like ones share one), and so one of them
+    built and compared stands for all (``scan(..., numbers=False)`` checks the others' models)."""
+    function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        function.body = body[1:]
+    function.returns = None
+    for node in ast.walk(function):
+        if isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Name("T")
+    return re.sub(r"\b\w*(CausalLMOutput|ModelOutput)\w*\b", "Output", ast.unparse(function))
+
+
+def scan(flce, model_type: str, numbers: bool = True) -> dict:
     """One model type: ``{"refused": reason}`` (by its class, without building it, or by the model),
-    ``{"not_built": why}``, or ``compare``'s numbers."""
+    ``{"not_built": why}``, or ``compare``'s numbers; with ``numbers=False``, the model is built on
+    the meta device and only ``patch_forward``'s checks run: ``{"accepted": True}`` if it passes."""
     cls = causal_lm_class(model_type)
     try:
         flce.patch_forward(cls)
     except ValueError as refusal:
         return {"refused": str(refusal)}
     flce.unpatch_forward(cls)
+    if not numbers:
+        try:
+            model = meta_model(model_type)
+        except Exception as error:  # noqa: BLE001 (any failure to build the default config, shrunk)
+            return {"not_built": f"{type(error).__name__}: {error}".splitlines()[0][:160]}
+        try:
+            flce.patch_forward(model)
+        except ValueError as refusal:
+            return {"refused": str(refusal)}
+        return {"accepted": True}
     try:
         _, model = tiny_model(model_type)
         model(**{k: v for k, v in tiny_batch().items() if k != "labels"})  # its own forward runs
