@@ -450,7 +450,7 @@ def before_after_runs():
     """[(file, data)] of the newest run that timed an earlier build beside this one (``bench.py --base``):
     an ``h200-*.json`` run with every peer, or a ``before-after-*.json`` run of the two builds (and
     perhaps torch.compile) alone."""
-    runs = recorded("h200-*.json") + recorded("before-after-*.json")
+    runs = recorded("h200-*.json") + recorded("before-after-*.json") + recorded("trl-h200-*.json")
     return sorted([(name, data) for name, data in runs if "base" in data],
                   key=lambda item: item[1]["environment"]["date"])[-1:]
 
@@ -461,11 +461,15 @@ def _before_after(data):
     is the same for both, so a change of time is the change of the ratio to any peer."""
     results = {(r["row"], r["inputs"], r["method"]): r for r in data["results"] if "error" not in r}
     out = []
-    for (row, inputs, method), after in results.items():
-        before = results.get((row, inputs, method + BASE))
-        if method != OURS or before is None:
+    for (row, inputs, name), before in results.items():
+        if not name.endswith(BASE):
             continue
-        out.append(dict(row=row, inputs=inputs, laps=len(after.get("step_ms_laps", [after["step_ms"]])),
+        # a per-token head against its own build with kept rows off: the same work as the earlier build's
+        method = name.removesuffix(BASE)
+        after = results.get((row, inputs, f"{method}-keep0"), results.get((row, inputs, method)))
+        if after is None:
+            continue
+        out.append(dict(row=row, inputs=inputs, method=method, laps=len(after.get("step_ms_laps", [after["step_ms"]])),
                         step=(before["step_ms"], after["step_ms"]), fwd=(before["fwd_ms"], after["fwd_ms"]),
                         mib=(before["step_peak_minus_grads_mib"], after["step_peak_minus_grads_mib"])))
     return out
@@ -476,14 +480,15 @@ def before_after_section(runs) -> str:
     lines = []
     for name, data in runs:
         base = data["base"]
-        peers = sorted({r["method"] for r in data["results"] if not r["method"].startswith(OURS)})
+        peers = sorted({r["method"] for r in data["results"] if not r["method"].startswith((OURS, "flce-"))})
         lines += [f"`{name}`: this build against {base.get('revision') or base['root']} "
                   f"(peers in the run: {', '.join(peers) or 'none'}).", "",
-                  "| row | laps | step ms: before → after | forward ms: before → after | step's extra memory "
-                  "less the gradients, MiB: before → after |", "|---|---|---|---|---|"]
+                  "| row | method | laps | step ms: before → after | forward ms: before → after | step's extra "
+                  "memory less the gradients, MiB: before → after |", "|---|---|---|---|---|---|"]
         for e in _before_after(data):
             (sb, sa), (fb, fa), (mb, ma) = e["step"], e["fwd"], e["mib"]
-            lines.append(f"| {e['row']} ({e['inputs']}) | {e['laps']} | {sb:.2f} → {sa:.2f} ({sa / sb - 1:+.1%}) | "
+            lines.append(f"| {e['row']} ({e['inputs']}) | {e['method']} | {e['laps']} | {sb:.2f} → {sa:.2f} "
+                         f"({sa / sb - 1:+.1%}) | "
                          f"{fb:.2f} → {fa:.2f} ({fa / fb - 1:+.1%}) | {mb:.0f} → {ma:.0f} |")
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -501,9 +506,10 @@ def before_after_sentence() -> str:
     step = [e["step"][1] / e["step"][0] - 1 for e in changes]
     fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
     mib = [round(e["mib"][1] - e["mib"][0]) for e in changes]
-    return (f"The simplification of the kernel (one shipped path, four settings, smaller kernels) was timed against "
-            f"the build before it ({data['base'].get('revision') or data['base']['root']}) in the same process: in "
-            f"the latest such run (`{name}`, {changes[0]['laps']} laps, {len(changes)} rows) the step's time changed "
+    return (f"The re-housing and the kept rows were timed against the build before them "
+            f"({data['base'].get('revision') or data['base']['root']}) in the same process (`{name}`, "
+            f"{changes[0]['laps']} lap, {len(changes)} rows and methods: the loss, SFT's and GRPO's heads, the "
+            f"per-token ones with `FLCE_KEEP_MIB=0` where this build keeps rows): the step's time changed "
             f"by {min(step):+.1%} to {max(step):+.1%}, the forward's by {min(fwd):+.1%} to {max(fwd):+.1%}, and "
             f"a step's memory by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\", every "
             f"run).")
@@ -532,7 +538,7 @@ def cold_start_sentence() -> str:
 
 
 def readme_table(latest):
-    """README's comparison with every method: step time and memory, then forward time."""
+    """README's comparison with every method: step time and memory (BENCHMARKS.md has the forward's)."""
     methods = methods_in(latest)
     rows = [row for row in MAIN_ROWS if "step_ms" in latest.get((row, "lm", OURS), {})]
 
@@ -560,10 +566,6 @@ def readme_table(latest):
         lines.append(f"| {head(row)} | " + " | ".join(
             cell(row, m, lambda r: f"{fmt(r.get('step_ms'))} ms, {fmt(r.get('step_peak_minus_grads_mib'), '.0f')} MiB")
             for m in methods) + " |")
-    lines += ["", "Evaluation forward (under `torch.no_grad()`): time", "", *header("head (H, V)")]
-    for row in rows:
-        lines.append(f"| {head(row)} | " + " | ".join(cell(row, m, lambda r: f"{fmt(r.get('fwd_ms'))} ms")
-                                                      for m in methods) + " |")
     return "\n".join(lines)
 
 
@@ -794,6 +796,68 @@ def token_trainers_section(runs) -> str:
     return "\n".join(lines)
 
 
+TOKEN_SUMMARY_MARK = "<!-- TOKEN-SUMMARY -->"
+DISTILL_SUMMARY_MARK = "<!-- DISTILL-SUMMARY -->"
+
+
+def _span(values, spec=".2f") -> str:
+    return f"{min(values):{spec}}×" if min(values) == max(values) else f"{min(values):{spec}}–{max(values):{spec}}×"
+
+
+def token_summary(runs) -> str:
+    """README's paragraph on TRL's head with both kernels: SFT's step and memory, and the per-token
+    trainers' with kept rows, from the newest run that timed them (BENCHMARKS.md has the tables)."""
+    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
+             for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
+    found = [(name, results) for name, results in found if any(m.endswith("-keep0") for _, m in results)]
+    if not found:
+        return ""
+    name, results = found[-1]
+
+    def ratios(kinds, rows, key="step_ms"):
+        return [results[(row, f"flce-{k}")][key] / results[(row, f"trl-{k}")][key] for row in rows for k in kinds
+                if (row, f"flce-{k}") in results and (row, f"trl-{k}") in results]
+
+    heads = [row for row in ("llama3", "qwen25", "llama3-masked") if (row, "flce-dpo") in results]
+    others = ["dpo", "kto", "rloo", "dft", "grpo-coef0"]
+    sft, sft_mib = ratios(["sft"], TRL_HEADS), ratios(["sft"], TRL_HEADS, "step_peak_mib")
+    parts = [f"Through TRL's head on one H200 (bf16, N = 8192, `{name}`), SFT's step takes {_span(sft)} TRL's "
+             f"time at {_span(sft_mib)} its memory; with kept rows, DPO's, KTO's, RLOO's, DFT's and GRPO's "
+             f"(entropy coefficient 0) take {_span(ratios(others, heads))} on Llama-3 and Qwen-2.5 (10% and 50% "
+             f"ignored)"]
+    if ("gemma2", "flce-dpo") in results:
+        parts.append(f", {_span(ratios(others, ['gemma2']))} on Gemma-2 (whose vocabulary leaves room for about "
+                     "half of its rows)")
+    parts.append(f", and GRPO's with an entropy bonus {_span(ratios(['grpo'], heads + ['gemma2']))}, each at "
+                 "most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers\").")
+    return "".join(parts)
+
+
+def distill_summary() -> str:
+    """README's paragraph on the distillation rows (BENCHMARKS.md has the tables)."""
+    name, data = _latest_run("distill-h200-*.json")
+    if data is None:
+        return ""
+    results = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
+    rows = sorted({row for row, m in results if m == "flce-distill"})
+
+    def of(method, betas, key="step_ms"):
+        return [results[(row, "flce-distill")][key] / results[(row, method)][key] for row in rows
+                if results[(row, "flce-distill")]["beta"] in betas and (row, method) in results]
+
+    fastest = [results[(row, "flce-distill")]["step_ms"] / min(results[(row, m)]["step_ms"] for m in DISTILL_PEERS
+                                                               if (row, m) in results) for row in rows]
+    sparse, loss = results.get(("sparse-k100", "flce-sparse")), results.get(("sparse-k100", "fused-linear-ce"))
+    text = (f"On one H200 (`{name}`; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
+            f"divergence's step takes {_span(of('trl-distill', (1.0, 0.0)))} TRL's kernel's time for the reverse KL "
+            f"and {_span(of('trl-distill', (0.5,)))} for the JSD, {_span(fastest)} the fastest peer's, at "
+            f"{_span(of('trl-distill', (0.5, 1.0), 'step_peak_mib'))} TRL's memory")
+    if sparse and loss:
+        text += (f"; the sparse KL at K = 100 takes {sparse['step_ms'] / loss['step_ms']:.2f}× our loss step at "
+                 f"{sparse['step_peak_mib'] / loss['step_peak_mib']:.2f}× its memory")
+    return text + " (BENCHMARKS.md, \"Distillation\")."
+
+
 def cpu_runs():
     return recorded("cpu-*.json")
 
@@ -985,6 +1049,10 @@ def main():
     trl = trl_runs()
     if trl:
         parts += ["", "## TRL's fused LM head: SFT's and GRPO's outputs, and the metrics' cost", "", trl_section(trl)]
+        kept = token_trainers_section(trl)
+        if kept:
+            parts += ["", "## TRL's per-token trainers, with kept rows", "", kept]
+    parts += ["", "## Distillation", "", distillation_section()]
     nccl = nccl_runs()
     if nccl:
         parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
@@ -1000,7 +1068,8 @@ def main():
     readme = replace_between(readme, README_MARK, readme_table(latest))
     readme = replace_between(readme, SUMMARY_MARK, summary(latest))
     readme = replace_between(readme, REQUIREMENTS_MARK, requirements(cpu))
-    readme = replace_between(readme, TRL_MARK, trl_section(trl))
+    readme = replace_between(readme, TOKEN_SUMMARY_MARK, token_summary(trl))
+    readme = replace_between(readme, DISTILL_SUMMARY_MARK, distill_summary())
     if args.check:
         stale = [name for name, text in (("BENCHMARKS.md", benchmarks_md), ("README.md", readme))
                  if (ROOT / name).read_text() != text]

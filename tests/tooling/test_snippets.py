@@ -22,6 +22,7 @@ SOURCES = [  # (file, the heading of the section to read; None: the whole file)
     ("README.md", "Quickstart: a transformers model"),
     ("README.md", "Metrics"),
     ("README.md", "Per-token outputs: log-probs and entropy for RL and preference training"),
+    ("README.md", "Distillation"),
     ("README.md", "Integrations"),
 ]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
