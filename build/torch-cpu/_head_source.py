@@ -1,10 +1,11 @@
 """What a transformers causal LM's forward does between its backbone and its loss, read from its source.
 
 ``head_plan(cls)`` reads ``cls.forward`` statement by statement (its ``ast``, conditionals
-flattened) and accepts it only if every statement that touches the hidden states, the logits,
-the labels or the loss is one that the fused loss reproduces:
+flattened) and accepts it only if every statement that touches the inputs, the hidden states,
+the logits, the labels or the loss is one that the fused loss reproduces:
 
-- the backbone's last hidden state, cut by ``logits_to_keep`` (which training with labels keeps
+- the backbone called (on the inputs as given: ``fused_forward`` passes them to it) and its last
+  hidden state, cut by ``logits_to_keep`` (which training with labels keeps
   whole), optionally divided by a number (MiniCPM3's ``logits_scaling``);
 - ``logits = self.<output embeddings>(hidden_states)`` (a cast, ``.float()`` or ``.contiguous()``
   around it change nothing: the fused loss accumulates in fp32), optionally times a number;
@@ -30,8 +31,9 @@ import re
 import textwrap
 from typing import NamedTuple
 
-# The names whose statements must be understood: what flows from the backbone to the loss.
-_WATCHED = re.compile(r"\b(hidden_states|logits|lm_logits|labels|shift_labels|loss)\b")
+# The names whose statements must be understood: what flows into the backbone and from it to the loss.
+_WATCHED = re.compile(r"\b(hidden_states|logits|lm_logits|labels|shift_labels|loss|input_ids|inputs_embeds|"
+                      r"attention_mask|position_ids)\b")
 # A number the forward reads off the model: an attribute path on self, with argument-less calls
 # (``self.config.get_text_config().vocab_size``).
 _PATH = r"self(?:\.\w+(?:\(\))?)+"
@@ -94,7 +96,8 @@ def _read(statements: list) -> HeadPlan | str:
     while i < len(statements):
         text, guards = statements[i]
         i += 1
-        if m := re.fullmatch(rf"(\w+) = ({_PATH})", text):  # a local number: cap = self.config.logits_soft_cap
+        m = re.fullmatch(rf"(\w+) = ({_PATH})", text)
+        if m and not _WATCHED.fullmatch(m[1]):  # a local number: cap = self.config.logits_soft_cap
             local[m[1]] = m[2]
             continue
         if m := re.fullmatch(rf"if \((\w+) := ({_PATH})\) is not None:", text):
@@ -134,6 +137,8 @@ def _read(statements: list) -> HeadPlan | str:
                 if m[3]:
                     steps.append(("scale", m[3]))
                 continue
+            if not re.search(r"\b(hidden_states|logits|lm_logits)\b", text):
+                return f"prepares its backbone's inputs otherwise than fused_forward passes them: {text}"
             return f"computes its logits otherwise than self.<output embeddings>(last hidden state): {text}"
         if text.startswith("loss = self.loss_function("):
             problem = _loss_call_problem(text, logits)

@@ -143,7 +143,8 @@ def current_kernels(tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": str(target)}
     for extra in (["--no-deps"], []):
         install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                  "--target", str(target), *extra, f"kernels=={CURRENT_KERNELS}"],
+                                  "--retries", "1", "--timeout", "20", "--target", str(target), *extra,
+                                  f"kernels=={CURRENT_KERNELS}"],
                                  capture_output=True, text=True, timeout=300)
         if install.returncode != 0:
             pytest.skip(f"kernels {CURRENT_KERNELS} could not be installed from PyPI: {install.stderr[-300:]}")

@@ -134,6 +134,25 @@ class _LlamaScalingByItsOwnNumber(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+class _LlamaScalingItsEmbeddings(transformers.LlamaForCausalLM):
+    """A Llama whose forward scales the input embeddings before its backbone (fused_forward passes the inputs)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        inputs_embeds = self.model.embed_tokens(input_ids) * 2.0
+        hidden_states = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_forward_that_changes_its_inputs_is_refused(flce):
+    with pytest.raises(ValueError, match=r"_LlamaScalingItsEmbeddings.forward prepares its backbone's inputs otherwise "
+                                         r"than fused_forward passes them: inputs_embeds = self.model.embed_tokens"):
+        flce.patch_forward(_LlamaScalingItsEmbeddings)
+
+
 def test_a_forward_that_changes_its_logits_otherwise_is_refused(flce):
     """The rule reads what the forward does after lm_head, not whether it calls self.loss_function:
     a cut of the vocabulary is refused by the class; a scale whose number the config reading does
