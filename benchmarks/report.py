@@ -687,7 +687,7 @@ def trl_section(runs) -> str:
               "GRPO's per-token gradients are known only in the "
               "backward, which therefore recomputes the logits, as TRL's kernel does: 8·N·V·H flops against "
               "SFT's 6 (docs/design.md). Runs: " + ", ".join(f"`{name}`" for name, _ in found if name in used) + "."]
-    extra = [sentence for sentence in (grpo_zero_sentence(), trl_step_sentence()) if sentence]
+    extra = [sentence for sentence in (grpo_zero_sentence(), trl_step_sentence(), grpo_step_sentence()) if sentence]
     return "\n".join(lines + [line for sentence in extra for line in ("", sentence)])
 
 
@@ -706,10 +706,9 @@ def distillation_section() -> str:
     """The student/teacher divergence against TRL's kernel, Liger's fused JSD and torch.compile of the
     plain JSD (step ms / peak MiB, ratios, gradient errors), and the sparse top-k losses against our own
     loss step and torch.compile of TRL's loss on the logits, from the newest ``distill-h200-*.json``."""
-    name, data = _latest_run("distill-h200-*.json")
-    if data is None:
+    results, names, data = _distill_results()
+    if not results:
         return "No distillation run recorded."
-    results = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
     lines = ["Student: the Llama-3 head (4096, 128256), N = 8192, bf16, random heads; gradients to the student "
              "only. Step ms (forward + backward, `do_bench` median) / peak MiB (gradients included); ✗ marks a "
              "target missed (forward and reverse KL at most 0.6× TRL's time and 0.9× the fastest peer's, β = 0.5 "
@@ -755,9 +754,25 @@ def distillation_section() -> str:
             lines.append(f"| {row} | {ours['step_ms']:.1f} / {ours['step_peak_mib']:.0f} | {loss['step_ms']:.1f} / "
                          f"{loss['step_peak_mib']:.0f} | {over:.2f}×{mark} | "
                          + ("—" if peer is None else f"{peer['step_ms']:.1f} / {peer['step_peak_mib']:.0f}") + " |")
-    lines += ["", f"Run: `{name}` ({data['environment']['date'][:10]}, bf16 matmul at "
-              f"{data.get('matmul_tflops', 0):.0f} TFLOP/s in that run)."]
+    lines += ["", "Runs: " + ", ".join(f"`{name}` ({run['environment']['date'][:10]}, bf16 matmul at "
+                                        f"{run.get('matmul_tflops', 0):.0f} TFLOP/s)" for name, run in data) + "; "
+              "each row's methods from the newest run that timed it (the sparse rows' newest with the kept rows)."]
     return "\n".join(lines)
+
+
+def _distill_results():
+    """{(row, method): result} of the distillation runs, each row from the newest run that has it,
+    with the names and data of the runs used."""
+    runs = sorted(recorded("distill-h200-*.json"), key=lambda item: item[1]["environment"]["date"])
+    results, used = {}, {}
+    for name, data in runs:
+        rows = {r["row"] for r in data["results"] if "step_ms" in r and r["method"] != "fused-linear-ce"}
+        for r in data["results"]:
+            if "step_ms" in r and r["row"] in rows:
+                results[(r["row"], r["method"])] = {**r, "_file": name}
+    for r in results.values():
+        used[r["_file"]] = True
+    return results, list(used), [(name, data) for name, data in runs if name in used]
 
 
 # The per-token trainers of bench.py (KEPT_METHODS): TRL's kernel, ours with kept rows, ours with none.
@@ -804,6 +819,22 @@ def _span(values, spec=".2f") -> str:
     return f"{min(values):{spec}}×" if min(values) == max(values) else f"{min(values):{spec}}–{max(values):{spec}}×"
 
 
+def grpo_step_sentence() -> str:
+    """The GRPO-shaped model step of ``scripts/trl_gpu.py`` (part 3) with both heads, from the newest
+    ``trl-gpu-*.json`` that has it; empty where none does."""
+    runs = [(name, data) for name, data in recorded("trl-gpu-*.json") if "grpo_step" in data]
+    if not runs:
+        return ""
+    name, data = max(runs, key=lambda item: item[1]["date"])
+    step = data["grpo_step"]
+    return (f"A GRPO-shaped step of a {step['model']['num_hidden_layers']}-layer Llama-3-shaped model through TRL's "
+            f"head ({step['batch']} × {step['seq_len']} tokens, temperature {step['temperature']}, entropy bonus "
+            f"{step['entropy_coef']}, {step['laps']} alternating laps; `{name}`) takes {step['flce']['ms']:.1f} ms and "
+            f"{step['flce']['peak_mib']:.0f} MiB with this kernel, against {step['trl']['ms']:.1f} ms and "
+            f"{step['trl']['peak_mib']:.0f} MiB with TRL's: {step['ratio_ms']:.3f}× the time (target ≤ 0.9), "
+            f"{step['ratio_mib']:.2f}× the memory.")
+
+
 def token_summary(runs) -> str:
     """README's paragraph on TRL's head with both kernels: SFT's step and memory, and the per-token
     trainers' with kept rows, from the newest run that timed them (BENCHMARKS.md has the tables)."""
@@ -829,16 +860,16 @@ def token_summary(runs) -> str:
         parts.append(f", {_span(ratios(others, ['gemma2']))} on Gemma-2 (whose vocabulary leaves room for about "
                      "half of its rows)")
     parts.append(f", and GRPO's with an entropy bonus {_span(ratios(['grpo'], heads + ['gemma2']))}, each at "
-                 "most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers\").")
-    return "".join(parts)
+                 "most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers\"). ")
+    return "".join(parts) + grpo_step_sentence()
 
 
 def distill_summary() -> str:
     """README's paragraph on the distillation rows (BENCHMARKS.md has the tables)."""
-    name, data = _latest_run("distill-h200-*.json")
-    if data is None:
+    results, names, _ = _distill_results()
+    if not results:
         return ""
-    results = {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}
+    name = ", ".join(f"`{n}`" for n in names)
     rows = sorted({row for row, m in results if m == "flce-distill"})
 
     def of(method, betas, key="step_ms"):
@@ -848,7 +879,7 @@ def distill_summary() -> str:
     fastest = [results[(row, "flce-distill")]["step_ms"] / min(results[(row, m)]["step_ms"] for m in DISTILL_PEERS
                                                                if (row, m) in results) for row in rows]
     sparse, loss = results.get(("sparse-k100", "flce-sparse")), results.get(("sparse-k100", "fused-linear-ce"))
-    text = (f"On one H200 (`{name}`; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
+    text = (f"On one H200 ({name}; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
             f"divergence's step takes {_span(of('trl-distill', (1.0, 0.0)))} TRL's kernel's time for the reverse KL "
             f"and {_span(of('trl-distill', (0.5,)))} for the JSD, {_span(fastest)} the fastest peer's, at "
             f"{_span(of('trl-distill', (0.5, 1.0), 'step_peak_mib'))} TRL's memory")
