@@ -129,10 +129,7 @@ class FactoredBackend(Backend, Protocol):
                       opts: LossOptions, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, target_logit) [rows] fp32: the reference of each row's exponentials (its target's
         logit, column 0 where it has none here) and the target's logit (NaN where none here);
-        with ``rows`` (int64) row i is hidden[rows[i]] (only where ``reference_in_place``)."""
-
-    def reference_in_place(self) -> bool:
-        """Whether the chunk loop takes every row's reference in one ``row_reference`` call."""
+        with ``rows`` (int64) row i is hidden[rows[i]]."""
 
     def row_factors(self, buffer: torch.Tensor, state: Any, row_max: torch.Tensor, row_ref: torch.Tensor,
                     lse: torch.Tensor, loss_grad: torch.Tensor, targets: torch.Tensor,

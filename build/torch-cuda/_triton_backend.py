@@ -222,9 +222,7 @@ def precompile(kind: str, device: torch.device) -> None:
 
 def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
     """(vocabulary tiles a row block, programs a round) of a persistent sweep over this
-    weight, for the chunk plan (``_chunked._fullest_chunk``); None without ``fill_rounds``."""
-    if not settings().fill_rounds:
-        return None
+    weight, for the chunk plan (``_chunked._fullest_chunk``)."""
     return triton.cdiv(vocab_size, tile_width(dtype)), _max_programs(device)
 
 
@@ -675,13 +673,6 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     if not _target_logit_by_product(hidden):
         return None
     return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
-
-
-def reference_in_place() -> bool:
-    """Whether ``row_reference`` reads rows through an index (``rows``), so that a step's chunk
-    loop takes every row's reference in one launch before its first chunk: a chunk's rows give
-    the product too few programs to fill the GPU (docs/design.md)."""
-    return True
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,

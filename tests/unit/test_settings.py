@@ -227,14 +227,3 @@ def test_override_refuses_unknown_fields_and_wrong_types(settings):
         with settings.override(chunk_rows=0):
             pass
     assert settings.current() == before
-
-
-def test_parse_reads_command_line_settings(settings):
-    """benchmarks/explore.py's variants: names in any case, the environment's booleans."""
-    assert settings.parse("BLOCK_V=128,gluon=0,Tma=on,config=128:64:8:3:1,chunk_rows=none") == dict(
-        block_v=128, gluon=False, tma=True, config=(128, 64, 8, 3, True), chunk_rows=None)
-    assert settings.parse("") == {}
-    with pytest.raises(TypeError, match="unknown setting 'glun'"):
-        settings.parse("GLUN=0")
-    with pytest.raises(ValueError, match="^block_v must be an integer, got 'wide'$"):
-        settings.parse("block_v=wide")

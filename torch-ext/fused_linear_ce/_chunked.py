@@ -227,7 +227,7 @@ def _first_chunk_rows(n_rows: int, chunk: int, row_order: _RowOrder | None, trai
     ``sweep_tiles`` a first chunk that more rows follow is sized to fill its sweep's rounds
     (``_fullest_first``)."""
     first = min(chunk, n_rows)
-    if settings().split_first and row_order is not None and not training and n_rows >= 2048:
+    if row_order is not None and not training and n_rows >= 2048:
         first = min(first, _cdiv(_cdiv(n_rows, 2), row_block) * row_block)
     if sweep_tiles is not None and first < n_rows:
         first = _fullest_first(n_rows, first, chunk, row_block, *sweep_tiles)
@@ -665,7 +665,7 @@ class _ForwardStep:
         # Every row's reference and target logit in one launch, the rows read in place (the order's
         # ignored rows at its end too: they are not known yet), where the backend does so.
         self.references = None
-        if self.referenced and shard is None and backend.reference_in_place():
+        if self.referenced and shard is None:
             self.references = backend.row_reference(hidden, weight, self.slice_targets, opts, rows=rows)
         # Otherwise every row's target logit in one launch before the chunks, where the backend's
         # statistics sweeps leave it to a product: a launch a chunk fills as few programs and takes as

@@ -105,14 +105,6 @@ class Settings:
     """Whether the rows whose target is ``ignore_index`` are left out of the chunks; False: they
     are computed in place and masked, as during CUDA graph capture."""
 
-    split_first: bool = True
-    """Whether a forward without gradients computes at most half of its rows first (then only
-    those with a loss); False: a whole chunk first."""
-
-    fill_rounds: bool = True
-    """Whether a forward's chunks are sized to fill the rounds of tiles of their sweeps; False:
-    spread evenly."""
-
     factored: bool = True
     """Whether a training chunk may keep exponentials and factor its gradient; False: logits
     relative to their tile max, turned into grad logits by one pass."""
@@ -247,43 +239,6 @@ def override(**changes) -> Iterator[Settings]:
         yield current()
     finally:
         _overrides, _current = previous, None
-
-
-def parse(text: str) -> dict:
-    """Fields of an override from text (benchmarks' command lines): "NAME=value,NAME=value",
-    names case-insensitive (``BLOCK_V=128,gluon=0``), values as ``parse_value`` reads them."""
-    changes = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        changes[name.strip().lower()] = parse_value(name.strip().lower(), value.strip())
-    return changes
-
-
-def parse_value(name: str, text: str):
-    """A value of field ``name`` from text: booleans as in the environment, integers, "none" for
-    None, and ``config`` as "BLOCK_N:BLOCK_K:warps:stages:persistent" (or with commas). Raises
-    TypeError for an unknown name, ValueError for a value its field cannot take."""
-    if name not in _FIELDS:
-        raise TypeError(f"unknown setting {name!r}; the settings are {sorted(_FIELDS)}")
-    return _from_text(name, _FIELDS[name].type, text)
-
-
-def _from_text(name: str, annotation, text: str):
-    if isinstance(annotation, types.UnionType):
-        if text.lower() == "none":
-            return None
-        (annotation,) = (a for a in typing.get_args(annotation) if a is not type(None))
-    if annotation is bool:
-        return _boolean(name, text)
-    if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer, got {text!r}") from None
-    parts = text.replace(":", ",").split(",")  # config: four integers and a boolean
-    if len(parts) != 5:
-        raise ValueError(f"{name} must be BLOCK_N:BLOCK_K:warps:stages:persistent, got {text!r}")
-    return (*(_from_text(name, int, p) for p in parts[:4]), _boolean(name, parts[4]))
 
 
 def _is_a(value, annotation) -> bool:
