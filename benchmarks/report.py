@@ -560,8 +560,8 @@ def readme_table(latest):
     lines = ["Measured on one H200, bf16, N = 8192 tokens, LM-like inputs (BENCHMARKS.md has uniform inputs, errors, "
              "fp16 and fp32, scaling with N and plots). A training step is forward + backward with gradients for "
              "hidden and weight; its extra memory is the peak allocated during the step above what was allocated "
-             "before it, less the gradients' own bytes.", "",
-             "Training step: time, and extra memory", "", *header("head (H, V)")]
+             "before it, less the gradients' own bytes. Training step: time, and extra memory.", "",
+             *header("head (H, V)")]
     for row in rows:
         lines.append(f"| {head(row)} | " + " | ".join(
             cell(row, m, lambda r: f"{fmt(r.get('step_ms'))} ms, {fmt(r.get('step_peak_minus_grads_mib'), '.0f')} MiB")
