@@ -780,15 +780,21 @@ TOKEN_KINDS = ["grpo", "grpo-coef0", "dpo", "kto", "rloo", "dft"]
 TOKEN_TARGET = 0.8
 
 
-def token_trainers_section(runs) -> str:
-    """Per head and trainer: TRL's head with TRL's kernel, with ours (kept rows at the default budget) and
-    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them."""
+def _kept_run(runs):
+    """(name, {(row, method): result}) of the newest TRL run that timed the kept rows (its
+    ``*-keep0`` methods), or (None, None)."""
     found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
              for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
     found = [(name, results) for name, results in found if any(m.endswith("-keep0") for _, m in results)]
-    if not found:
+    return found[-1] if found else (None, None)
+
+
+def token_trainers_section(runs) -> str:
+    """Per head and trainer: TRL's head with TRL's kernel, with ours (kept rows at the default budget) and
+    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them."""
+    name, results = _kept_run(runs)
+    if results is None:
         return ""
-    name, results = found[-1]
     lines = ["| head, ignored | trainer | TRL's kernel | ours, kept rows | ratio | ours, none kept (`FLCE_KEEP_MIB=0`) "
              "| ratio | peak MiB: kept / none / TRL |", "|---|---|---|---|---|---|---|---|"]
     for row in [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]:
@@ -838,12 +844,9 @@ def grpo_step_sentence() -> str:
 def token_summary(runs) -> str:
     """README's paragraph on TRL's head with both kernels: SFT's step and memory, and the per-token
     trainers' with kept rows, from the newest run that timed them (BENCHMARKS.md has the tables)."""
-    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
-             for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
-    found = [(name, results) for name, results in found if any(m.endswith("-keep0") for _, m in results)]
-    if not found:
+    name, results = _kept_run(runs)
+    if results is None:
         return ""
-    name, results = found[-1]
 
     def ratios(kinds, rows, key="step_ms"):
         return [results[(row, f"flce-{k}")][key] / results[(row, f"trl-{k}")][key] for row in rows for k in kinds
