@@ -39,10 +39,10 @@ dispatch on a CPU) in the inputs' dtype:
 
     trl_peak = (V + N) H (4 + e) + min(N, 4096) min(V, 32768) e      (e: element size, 0 for fp32)
 
-which is within 1.1% under the peaks measured on an H200 (bf16, N = 8192: Llama-3 3454 vs 3493
-MiB, Gemma-2 3739 vs 3761, Qwen-2.5 3542 vs 3577). Ours is the gradients, (V + N) H e, plus, where
-rows are recomputed, a training chunk (``backend.chunk_bytes``) and, per kept row, its
-``kept_row_bytes`` and the products' gathered rows (2 H e); MARGIN_BYTES stay free for the rest.
+which stays just under TRL's measured peaks (docs/design.md, "Kept rows"). Ours is the
+gradients, (V + N) H e, plus, where rows are recomputed, a training chunk
+(``backend.chunk_bytes``) and, per kept row, its ``kept_row_bytes`` and the products' gathered
+rows (2 H e); MARGIN_BYTES stay free for the rest.
 ``keep_mib`` (FLCE_KEEP_MIB) sets the budget instead, 0 turns it off.
 
 Not under vocabulary parallelism: the per-token outputs have no vocabulary-parallel form (their
