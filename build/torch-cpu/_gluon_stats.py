@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._kernels import LOG2E, REFERENCE_GAP
-from ._settings import current as settings
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -297,8 +296,9 @@ _capabilities: dict[torch.device, tuple[int, int]] = {}
 
 
 def device_applies(device: torch.device) -> bool:
-    """Whether this kernel runs on ``device``: Hopper (sm_90), with ``gluon`` (``_settings``)."""
-    if not settings().gluon or device.type != "cuda":
+    """Whether this kernel runs on ``device``: Hopper (sm_90); whether a call takes it is the
+    plan's (``_plan.gluon_sweep``)."""
+    if device.type != "cuda":
         return False
     if device not in _capabilities:  # asked a few times a forward: kept, as the SM counts are
         _capabilities[device] = torch.cuda.get_device_capability(device)

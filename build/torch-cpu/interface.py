@@ -13,7 +13,8 @@ from ._chunked import backend_for, copy_to_host
 from ._distributed import check_ranks_agree, vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
 from ._ops import FORWARD_AD_ERROR, FunctorchLoss, loss_forward
-from ._options import LossOptions, accumulation_dtype
+from ._options import LossOptions, Request, accumulation_dtype
+from ._plan import loss_grads_in_forward
 from ._settings import current as settings
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -336,7 +337,7 @@ def fused_linear_cross_entropy(
         targets = _shift_targets(targets, shift, ignore_index)
     vocab_size, hidden_size = weight.shape
     functorch = _under_functorch()
-    group_name, total_vocab_size = None, vocab_size
+    total_vocab_size = vocab_size
     if process_group is not None:
         if functorch:
             raise RuntimeError("fused_linear_cross_entropy does not support process_group under torch.func "
@@ -351,7 +352,6 @@ def fused_linear_cross_entropy(
         else:
             layout_start, total_vocab_size = vocabulary_layout(process_group, vocab_size, weight.device)
             vocab_start = layout_start if vocab_start is None else int(vocab_start)
-        group_name = process_group.group_name
     elif vocab_start is not None:
         raise ValueError("vocab_start needs a process_group")
     if class_weight is not None:
@@ -371,26 +371,21 @@ def fused_linear_cross_entropy(
     options = LossOptions(
         ignore_index=int(ignore_index), logit_scale=float(logit_scale),
         softcap=None if softcap is None else float(softcap), label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale), total_vocab_size=total_vocab_size, group_name=group_name,
+        z_loss_scale=float(z_loss_scale), total_vocab_size=total_vocab_size, group=process_group,
         vocab_start=int(vocab_start or 0),
     )
     if functorch:
         loss, lse, num_correct, entropy_sum, prediction, correct, entropy = FunctorchLoss.apply(
-            hidden_2d, weight, targets_1d, bias, class_weight, options, reduction, bool(return_metrics))
+            hidden_2d, weight, targets_1d, bias, class_weight, Request(options, reduction, bool(return_metrics)))
     else:
         grad_wanted = torch.is_grad_enabled()
         needs = [grad_wanted and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-        # Gradients in the forward's sweep (6 N V H flops) when the backward will only scale
-        # them; otherwise recomputed in the backward (8 N V H flops in all). float64 (for
-        # verification: gradcheck backpropagates more than once) and class weights with label
-        # smoothing or a z-loss (terms the stored-logits pass does not weight) always recompute.
-        in_forward = (any(needs) and reduction != "none" and not return_lse and hidden.dtype != torch.float64
-                      and not (class_weight is not None and (label_smoothing != 0 or z_loss_scale != 0)))
-        loss, lse, num_correct, entropy_sum, _, _, _, prediction, correct, entropy = loss_forward(
-            hidden_2d, weight, targets_1d, bias, class_weight, *options.op_args(), reduction, bool(return_metrics),
-            *(in_forward and n for n in needs),
-            bool(return_lse),
-        )
+        in_forward = loss_grads_in_forward(needs, reduction, bool(return_lse), hidden.dtype, class_weight is not None,
+                                           label_smoothing, z_loss_scale)
+        out = loss_forward(hidden_2d, weight, targets_1d, bias, class_weight,
+                           Request(options, reduction, bool(return_metrics), *in_forward, all_rows=bool(return_lse)))
+        loss, lse, num_correct, entropy_sum = out.loss, out.lse, out.num_correct, out.entropy_sum
+        prediction, correct, entropy = out.prediction, out.correct, out.entropy
     if target_check is not None:
         _finish_target_check(target_check, targets_1d, total_vocab_size, ignore_index)
     if reduction == "none":

@@ -41,7 +41,7 @@ dispatch on a CPU) in the inputs' dtype:
 
 which stays just under TRL's measured peaks (docs/design.md, "Kept rows"). Ours is the
 gradients, (V + N) H e, plus, where rows are recomputed, a training chunk
-(``backend.chunk_bytes``) and, per kept row, its ``kept_row_bytes`` and the products' gathered
+(``_plan.chunk_bytes``) and, per kept row, its ``kept_row_bytes`` and the products' gathered
 rows (2 H e); MARGIN_BYTES stay free for the rest.
 ``keep_mib`` (FLCE_KEEP_MIB) sets the budget instead, 0 turns it off.
 
@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _chunked
-from ._settings import current as settings
+from . import _plan
+from ._row_order import chunk_of
 
 # TRL's head's projection tile (see the module docstring): rows, and the glue's chunk_size columns.
 TRL_TILE_ROWS = 4096
@@ -74,13 +74,12 @@ def trl_peak_bytes(n_rows: int, vocab_size: int, hidden_size: int, element_size:
 
 
 def budgets(n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-            recompute_chunk_bytes: int) -> tuple[int, int]:
+            recompute_chunk_bytes: int, keep_mib: int | None = None) -> tuple[int, int]:
     """(bytes the kept rows may take if every row with a gradient is kept, if some are recomputed
-    beside them in chunks of ``recompute_chunk_bytes``): ``keep_mib`` for both where set, else
-    what keeps the call's peak at or under TRL's head's (module docstring)."""
-    tuning = settings()
-    if tuning.keep_mib is not None:
-        return tuning.keep_mib * 2**20, tuning.keep_mib * 2**20
+    beside them in chunks of ``recompute_chunk_bytes``): ``keep_mib`` for both where set (the
+    plan's), else what keeps the call's peak at or under TRL's head's (module docstring)."""
+    if keep_mib is not None:
+        return keep_mib * 2**20, keep_mib * 2**20
     element_size = torch.finfo(dtype).bits // 8
     our_grads = (vocab_size + n_rows) * hidden_size * element_size
     room = trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads - MARGIN_BYTES
@@ -107,6 +106,7 @@ class KeptRows:
 
     row_bytes: int  # a kept row's bytes, as the budget counts them
     room: tuple[int, int]  # ``budgets``
+    cap: int | None = None  # rows kept at most (the plan's ``keep_rows``)
     parts: list[KeptPart] = field(default_factory=list)
     count: int = 0
     rows: torch.Tensor | None = None
@@ -114,7 +114,7 @@ class KeptRows:
     def rows_to_keep(self, rows_with_target: int) -> int:
         """Rows kept among ``rows_with_target`` (the count, or before it is known the rows of the
         call): all of them where they fit in the first budget, else what the second holds."""
-        cap = settings().keep_rows
+        cap = self.cap
         every, some = self.room
         kept = rows_with_target if rows_with_target * self.row_bytes <= every else some // self.row_bytes
         return min(kept, rows_with_target) if cap is None else min(kept, rows_with_target, cap)
@@ -194,14 +194,14 @@ def forward_chunks(step) -> "KeptRows":
     the budget cuts is swept in two."""
     backend, opts, hidden = step.backend, step.opts, step.hidden
     n_rows, hidden_size = hidden.shape
-    recompute_chunk = _chunked._plan_chunk(backend, n_rows, step.vocab_size, hidden_size, hidden.dtype, True,
-                                           None, weight_grad=True)
-    recompute_bytes = (backend.chunk_bytes(recompute_chunk, step.vocab_size, hidden.dtype, hidden_size)
-                       or 2 * recompute_chunk * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
+    plan = step.plan
+    recompute_bytes = (plan.recompute_bytes
+                       or 2 * plan.recompute_rows * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
     # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
     row_bytes = (backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap)
                  + 2 * hidden_size * hidden.element_size())
-    kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes))
+    kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes,
+                                       plan.keep_mib), plan.keep_rows)
     # The factored sweep's exponentials where the step takes references, as the statistics without a
     # buffer then do (the same outputs); that sweep has no room for the logit sum or the squares.
     exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
@@ -242,7 +242,7 @@ def forward_chunks(step) -> "KeptRows":
 
 class KeptFirstOrder:
     """A backward's row order with the kept rows that have a gradient first (``first_order``), as
-    ``_chunked._RowOrder`` serves the chunk loop: positions [0, kept) are those rows, part after
+    ``_row_order.RowOrder`` serves the chunk loop: positions [0, kept) are those rows, part after
     part, [kept, count) the rows recomputed."""
 
     def __init__(self, kept: "KeptRows", n_rows: int, row_grads: list):
@@ -282,7 +282,7 @@ def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients,
         if rows_with_gradient:
             end = position + rows_with_gradient
             hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
-                _chunked._chunk_of(t, row_order, position, end) for t in (hidden, *per_row))
+                chunk_of(t, row_order, position, end) for t in (hidden, *per_row))
             grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c,
                                                  loss_grad_c, lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
             part = None
@@ -298,9 +298,9 @@ def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, 
     if rest <= 0:
         return
     buffer = backend.new_buffer(min(chunk, rest), weight.shape[0], hidden.dtype, hidden.device)
-    for first, last in _chunked._spans(rest, chunk, None, min(chunk, rest)):
+    for first, last in _plan.spans(rest, chunk, None, min(chunk, rest)):
         hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, smooth_grad_c, entropy_grad_c = (
-            _chunked._chunk_of(t, row_order, start + first, start + last) for t in (hidden, *per_row))
+            chunk_of(t, row_order, start + first, start + last) for t in (hidden, *per_row))
         grad_logits = backend.grad_logits(
             hidden_c, weight, bias, targets_c, lse_c, loss_grad_c, lse_grad_c, opts, buffer[: last - first],
             gradients.bias_acc, class_weight, smooth_grad_c, entropy_grad_c,
@@ -311,7 +311,7 @@ def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, 
 def backward(kept: KeptRows, backend, row_order: KeptFirstOrder, gradients, chunk: int, hidden, weight, bias, opts,
              per_row: tuple, class_weight) -> None:
     """A per-token backward with kept rows (``_chunked.backward``): the kept rows from their buffers,
-    then the other rows with a gradient by recomputation, into ``gradients`` (``_chunked._Gradients``);
+    then the other rows with a gradient by recomputation, into ``gradients`` (``_gradients.Gradients``);
     ``per_row``: (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad) [N], None where absent."""
     targets, lse, loss_grad, lse_grad, _, entropy_grad = per_row
     _kept_grads(kept, backend, row_order, gradients, hidden, weight, (targets, lse, loss_grad, lse_grad, entropy_grad),

@@ -10,22 +10,21 @@ autograd.Function with ``setup_context``, which is what those transforms require
 
 import contextlib
 import weakref
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from . import _chunked
-from ._distributed import Shard, resolve_group
-from ._options import LossOptions, accumulation_dtype
+from . import _chunked, _plan
+from ._options import Gradients, LossOutputs, Request, TokenOutputs, accumulation_dtype, returns
+from ._row_algebra import recomputed_row_grads, row_weights
+from ._row_order import copy_to_host
 
 NAMESPACE = __name__.split(".")[0]
 
-
-def _shard(opts: LossOptions) -> Shard | None:
-    # Operators take the group's registered name: a ProcessGroup is no schema type.
-    if opts.group_name is None:
-        return None
-    return Shard(resolve_group(opts.group_name), opts.vocab_start, opts.total_vocab_size)
+# What the last backward of per-token outputs found, keyed by the outputs asked for
+# ("entropy,log_probs"): read by ``fused_linear_log_probs`` through ``_plan.token_grads_in_forward``.
+TOKEN_SPECULATION = _plan.Speculation()
 
 
 def _no_autocast(t: Tensor):
@@ -54,46 +53,48 @@ def _traced(op, eager, probe: Tensor):
     return eager
 
 
-_NUM_OPTIONS = LossOptions.num_op_args()
-_FORWARD_FLAGS = ("str reduction, bool return_metrics, bool grad_hidden, bool grad_weight, bool grad_bias, "
-                  "bool lse_of_all_rows")
+def _is_traced(probe: Tensor) -> bool:
+    """Whether a call with ``probe`` among its tensors takes the operators (``_traced``)."""
+    return (torch.compiler.is_compiling() or type(probe) not in (Tensor, torch.nn.Parameter)
+            or torch._C._functorch.is_functorch_wrapped_tensor(probe))
+
+
+def _input_grads(num_inputs: int, grads) -> tuple:
+    """An autograd backward's result for inputs (hidden, weight, targets, bias, ...): the three
+    gradients in their places, None for the rest of the ``num_inputs``."""
+    return (grads[0], grads[1], None, grads[2], *([None] * (num_inputs - 4)))
+
+
 _FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, "
-                   f"{LossOptions.op_schema()}, {_FORWARD_FLAGS}) -> ({', '.join(['Tensor'] * 10)})")
+                   f"{Request.schema()}) -> {returns(LossOutputs)}")
 _BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor? class_weight, Tensor lse, "
-                    f"Tensor loss_grad, Tensor? lse_grad, {LossOptions.op_schema()}, "
-                    "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+                    f"Tensor loss_grad, Tensor? lse_grad, {Request.schema()}) -> {returns(Gradients)}")
 
 
-def _forward_args(args: tuple):
-    """(options, reduction, return_metrics, (grad_hidden, grad_weight, grad_bias), lse_of_all_rows)
-    from forward_op's arguments after its five tensors."""
-    reduction, return_metrics, *grads, all_rows = args[_NUM_OPTIONS:]
-    return LossOptions.from_op_args(args), reduction, return_metrics, tuple(grads), all_rows
-
-
-def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-               *args) -> tuple[Tensor, ...]:
-    """(loss, lse, num_correct, entropy_sum, grad_hidden, grad_weight, grad_bias, prediction,
-    correct, entropy) of the loss that ``args`` define: the ``LossOptions`` as flat arguments
-    (``LossOptions.op_args``), then reduction, return_metrics, which gradients to compute in the
-    same sweep (for grad_output 1; else empty) and lse_of_all_rows. The last three outputs are
-    per row with ``return_metrics``, else empty. With a ``group_name``, weight and bias are the
+def _forward_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                     class_weight: Tensor | None, request: Request) -> LossOutputs:
+    """The ``LossOutputs`` of the loss that ``request`` defines, the gradients it asks for
+    computed in the same sweep (for grad_output 1; else empty); prediction, correct and entropy
+    per row with ``return_metrics``, else empty. With a process group, weight and bias are the
     rows [vocab_start, vocab_start + V) of a vocabulary of ``total_vocab_size`` sharded over that
     group's ranks; ``class_weight`` [that total V] (fp32, fp64 for fp64 inputs) weights the
-    classes. Rows with an ignored target are skipped (lse 0, prediction -1) unless
-    ``lse_of_all_rows``."""
-    opts, reduction, return_metrics, grads, all_rows = _forward_args(args)
+    classes. Rows with an ignored target are skipped (lse 0, prediction -1) unless ``all_rows``."""
     # (the public function warms up too, before its range check; a compiled graph reaches only this)
-    _chunked.backend_for(hidden.device).precompile("metrics" if return_metrics else "loss", hidden.device)
+    _chunked.backend_for(hidden.device).precompile("metrics" if request.return_metrics else "loss", hidden.device)
     with _no_autocast(hidden):  # the inputs are cast already; matmuls inside keep their dtype
-        res = _chunked.forward(hidden, weight, targets, bias, opts, reduction, grads, _shard(opts), class_weight,
-                               all_rows=all_rows, return_metrics=return_metrics)
+        res = _chunked.forward(hidden, weight, targets, bias, request, class_weight)
     no_row = hidden.new_empty(0, dtype=torch.int64)
-    return (
+    return LossOutputs(
         res.loss, res.lse, res.num_correct, res.entropy_sum,
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
         _or_empty(res.prediction, no_row), _or_empty(res.correct, no_row).bool(), _or_empty(res.entropy, res.lse),
     )
+
+
+def _forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+             *args) -> tuple[Tensor, ...]:
+    """``_forward_outputs`` of the request encoded in ``args`` (``Request.encode``)."""
+    return tuple(_forward_outputs(hidden, weight, targets, bias, class_weight, Request.decode(args)))
 
 
 forward_op = torch.library.custom_op(f"{NAMESPACE}::forward", _forward, mutates_args=(), schema=_FORWARD_SCHEMA)
@@ -101,33 +102,45 @@ forward_op = torch.library.custom_op(f"{NAMESPACE}::forward", _forward, mutates_
 
 @forward_op.register_fake
 def _(hidden, weight, targets, bias, class_weight, *args):
-    _, reduction, return_metrics, (grad_hidden, grad_weight, grad_bias), _ = _forward_args(args)
+    request = Request.decode(args)
     n_rows = hidden.shape[0]
     acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
-    per_row = (n_rows,) if return_metrics else (0,)
-    return (
-        hidden.new_empty((n_rows,) if reduction == "none" else (), **acc),
-        hidden.new_empty((n_rows,), **acc),
-        torch.empty((), device=hidden.device, dtype=torch.int64),
-        torch.empty((), **acc),
-        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-        hidden.new_empty(weight.shape if grad_weight else (0,)),
-        hidden.new_empty(bias.shape if grad_bias else (0,)),
-        torch.empty(per_row, device=hidden.device, dtype=torch.int64),
-        torch.empty(per_row, device=hidden.device, dtype=torch.bool),
-        torch.empty(per_row, **acc),
+    per_row = (n_rows,) if request.return_metrics else (0,)
+    return LossOutputs(
+        loss=hidden.new_empty((n_rows,) if request.reduction == "none" else (), **acc),
+        lse=hidden.new_empty((n_rows,), **acc),
+        num_correct=torch.empty((), device=hidden.device, dtype=torch.int64),
+        entropy_sum=torch.empty((), **acc),
+        **_fake_grads(hidden, weight, bias, request)._asdict(),
+        prediction=torch.empty(per_row, device=hidden.device, dtype=torch.int64),
+        correct=torch.empty(per_row, device=hidden.device, dtype=torch.bool),
+        entropy=torch.empty(per_row, **acc),
     )
 
 
-def _backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-                lse: Tensor, loss_grad: Tensor, lse_grad: Tensor | None, *args) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients by recomputation for a per-row ``loss_grad`` [N] (d out / d loss_i) and optional
-    ``lse_grad`` [N]; ``args``: the ``LossOptions`` as flat arguments, then which gradients."""
-    opts, grads = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+def _fake_grads(hidden, weight, bias, request: Request) -> Gradients:
+    return Gradients(
+        hidden.new_empty(hidden.shape if request.grad_hidden else (0,)),
+        hidden.new_empty(weight.shape if request.grad_weight else (0,)),
+        hidden.new_empty(bias.shape if request.grad_bias else (0,)),
+    )
+
+
+def _backward_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                      class_weight: Tensor | None, lse: Tensor, loss_grad: Tensor, lse_grad: Tensor | None,
+                      request: Request) -> Gradients:
+    """Gradients (those of ``request.grads``) by recomputation for a per-row ``loss_grad`` [N]
+    (d out / d loss_i) and optional ``lse_grad`` [N]."""
     with _no_autocast(hidden):
-        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
-                                  _shard(opts), class_weight)
-    return tuple(_or_empty(g, hidden) for g in grads)
+        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request, class_weight)
+    return Gradients(*(_or_empty(g, hidden) for g in grads))
+
+
+def _backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+                    lse: Tensor, loss_grad: Tensor, lse_grad: Tensor | None, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """``_backward_outputs`` of the request encoded in ``args``."""
+    return tuple(_backward_outputs(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad,
+                                   Request.decode(args)))
 
 
 backward_op = torch.library.custom_op(f"{NAMESPACE}::backward", _backward_grads, mutates_args=(),
@@ -136,12 +149,7 @@ backward_op = torch.library.custom_op(f"{NAMESPACE}::backward", _backward_grads,
 
 @backward_op.register_fake
 def _(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, *args):
-    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
-    return (
-        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-        hidden.new_empty(weight.shape if grad_weight else (0,)),
-        hidden.new_empty(bias.shape if grad_bias else (0,)),
-    )
+    return tuple(_fake_grads(hidden, weight, bias, Request.decode(args)))
 
 
 def _scale(x: Tensor, scale: Tensor) -> None:
@@ -183,7 +191,6 @@ _vmap_per_sample(backward_op)
 
 # ---- autograd ---------------------------------------------------------------------------
 _EAGER, _RECOMPUTE = 0, 1
-_NUM_INPUTS = 5 + _NUM_OPTIONS + 6  # forward_op's arguments: tensors, options, flags
 
 DOUBLE_BACKWARD_ERROR = (
     "fused_linear_cross_entropy does not support double backward: its backward is not differentiable, so "
@@ -256,36 +263,43 @@ def _check_versions(watched: list) -> None:
             )
 
 
-def _recomputed_grads(saved, opts: LossOptions, reduction: str, loss_grad, lse_grad, want) -> list:
+def _recompute(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, request: Request) -> Gradients:
+    """``backward_op`` where traced, its implementation directly in eager mode."""
+    if _is_traced(hidden):
+        return Gradients(*backward_op(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad,
+                                      *request.encode()))
+    return _backward_outputs(hidden, weight, targets, bias, class_weight, lse, loss_grad, lse_grad, request)
+
+
+def _recomputed_grads(saved, request: Request, loss_grad, lse_grad, want) -> list:
     """Gradients (hidden, weight, bias) of the saved forward by recomputation."""
     hidden, weight, targets, bias, class_weight, lse = saved
+    opts, reduction = request.options, request.reduction
     if loss_grad is None:  # only the returned lse was used
         loss_grad = lse_grad.new_zeros(() if reduction != "none" else lse_grad.shape)
-    row_weight = _chunked.row_weights(targets, class_weight, opts.ignore_index)
+    row_weight = row_weights(targets, class_weight, opts.ignore_index)
     if lse_grad is not None:  # autograd may hand an expanded (stride 0) tensor
         lse_grad = lse_grad.to(lse.dtype).contiguous()
-    row_grad, lse_grad = _chunked.recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
-    grads = _traced(backward_op, _backward_grads, hidden)(hidden, weight, targets, bias, class_weight, lse, row_grad,
-                                                          lse_grad, *opts.op_args(), *want)
+    row_grad, lse_grad = recomputed_row_grads(targets, opts, reduction, loss_grad, lse_grad, lse, row_weight)
+    grads = _recompute(hidden, weight, targets, bias, class_weight, lse, row_grad, lse_grad, request.with_grads(want))
     return [g if w else None for g, w in zip(grads, want, strict=True)]
 
 
-def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, class_weight, *args = inputs
-    opts, reduction, _, (grad_hidden, grad_weight, grad_bias), _ = _forward_args(args)
-    loss, lse, *rest = output
-    num_correct, entropy_sum, saved_grad_hidden, saved_grad_weight, saved_grad_bias = rest[:5]
-    ctx.mark_non_differentiable(*rest)
+def _setup(ctx, tensors: tuple, request: Request, output: LossOutputs, num_inputs: int) -> None:
+    """The autograd context of a loss forward of ``tensors`` (hidden, weight, targets, bias,
+    class_weight) under ``request``, for either form of the call (operator or eager)."""
+    hidden, weight, targets, bias, class_weight = tensors
+    ctx.mark_non_differentiable(*output[2:])
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
     # would cost V x H memory and a fill.
     ctx.set_materialize_grads(False)
-    ctx.options = opts
-    ctx.reduction = reduction
+    ctx.request = request
+    ctx.num_inputs = num_inputs
     ctx.has_bias = bias is not None
-    ctx.path = _EAGER if (grad_hidden or grad_weight or grad_bias) else _RECOMPUTE
+    ctx.path = _EAGER if any(request.grads) else _RECOMPUTE
     ctx.consumed = False
     if ctx.path == _EAGER:
-        ctx.save_for_backward(saved_grad_hidden, saved_grad_weight, saved_grad_bias)
+        ctx.save_for_backward(output.grad_hidden, output.grad_weight, output.grad_bias)
         # What PyTorch's F.linear + F.cross_entropy would save (not the bias): checked in the backward.
         ctx.watched = _forward_versions(hidden, weight, targets, class_weight)
     else:
@@ -293,13 +307,17 @@ def _setup_context(ctx, inputs, output):
         # before the backward neither raises nor changes the gradients there; hidden, weight,
         # targets and class_weight are saved as PyTorch saves them (an in-place change raises).
         ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(),
-                              class_weight, lse)
+                              class_weight, output.lse)
+
+
+def _setup_context(ctx, inputs, output):
+    _setup(ctx, inputs[:5], Request.decode(inputs[5:]), LossOutputs(*output), len(inputs))
 
 
 def _backward(ctx, loss_grad, lse_grad, *unused):
     needs = ctx.needs_input_grad
     if loss_grad is None and lse_grad is None:
-        return (None,) * _NUM_INPUTS
+        return (None,) * ctx.num_inputs
     if torch.is_grad_enabled():  # create_graph=True: the gradients would be taken for constants
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
@@ -319,8 +337,8 @@ def _backward(ctx, loss_grad, lse_grad, *unused):
                 _scale_in_place(g, loss_grad)
         grads = [g if w else None for g, w in zip(grads, want, strict=True)]
     else:
-        grads = _recomputed_grads(ctx.saved_tensors, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
-    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_INPUTS - 4))
+        grads = _recomputed_grads(ctx.saved_tensors, ctx.request, loss_grad, lse_grad, want)
+    return _input_grads(ctx.num_inputs, grads)
 
 
 forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -328,45 +346,50 @@ forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerForward(torch.autograd.Function):
     """``forward_op`` in eager mode: the same forward, context and backward without the operator's
-    dispatch (``_traced``). Its ``forward`` takes ``ctx`` rather than having a ``setup_context``:
-    with one, ``Function.apply`` binds the arguments to ``forward``'s signature through
-    ``inspect`` at every call, host time that the GPU waits for where the caller has just
-    synchronised."""
+    dispatch (``_traced``), the request passed as it is. Its ``forward`` takes ``ctx`` rather than
+    having a ``setup_context``: with one, ``Function.apply`` binds the arguments to ``forward``'s
+    signature through ``inspect`` at every call, host time that the GPU waits for where the caller
+    has just synchronised."""
 
     @staticmethod
-    def forward(ctx, *args):
-        output = _forward(*args)
-        _setup_context(ctx, args, output)
-        return output
+    def forward(ctx, hidden, weight, targets, bias, class_weight, request):
+        output = _forward_outputs(hidden, weight, targets, bias, class_weight, request)
+        _setup(ctx, (hidden, weight, targets, bias, class_weight), request, output, 6)
+        return tuple(output)
 
     backward = staticmethod(_backward)
 
 
-def loss_forward(*args) -> tuple[Tensor, ...]:
-    """``forward_op(*args)``: the operator where traced, ``_EagerForward`` otherwise."""
-    return _traced(forward_op, _EagerForward.apply, args[0])(*args)
+def loss_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+                 request: Request) -> LossOutputs:
+    """The loss's outputs: ``forward_op`` where traced, ``_EagerForward`` otherwise."""
+    if _is_traced(hidden):
+        return LossOutputs(*forward_op(hidden, weight, targets, bias, class_weight, *request.encode()))
+    return LossOutputs(*_EagerForward.apply(hidden, weight, targets, bias, class_weight, request))
 
 
 class FunctorchLoss(torch.autograd.Function):
     """The loss under torch.func transforms (grad, vjp, jacrev, vmap, and compositions of them),
     which need an autograd.Function with ``setup_context``: a custom op's registered autograd is
     invisible to them. Gradients are always recomputed in the backward (which may then run more
-    than once, e.g. under jacrev); vmap runs the operators once per sample."""
+    than once, e.g. under jacrev); vmap runs the operators once per sample. Returns (loss, lse,
+    num_correct, entropy_sum, prediction, correct, entropy)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(hidden, weight, targets, bias, class_weight, options: LossOptions, reduction, return_metrics):
-        out = forward_op(hidden, weight, targets, bias, class_weight, *options.op_args(), reduction, return_metrics,
-                         False, False, False, True)
-        return out[:4] + out[7:]  # loss, lse, num_correct, entropy_sum, prediction, correct, entropy
+    def forward(hidden, weight, targets, bias, class_weight, request: Request):
+        out = LossOutputs(*forward_op(hidden, weight, targets, bias, class_weight,
+                                      *replace(request.with_grads((False,) * 3), all_rows=True).encode()))
+        return out.loss, out.lse, out.num_correct, out.entropy_sum, out.prediction, out.correct, out.entropy
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        hidden, weight, targets, bias, class_weight, options, reduction, _ = inputs
-        ctx.mark_non_differentiable(*output[2:])
-        ctx.options, ctx.reduction, ctx.has_bias = options, reduction, bias is not None
-        ctx.save_for_backward(hidden, weight, targets, bias, class_weight, output[1])
+        hidden, weight, targets, bias, class_weight, request = inputs
+        loss, lse, *rest = output
+        ctx.mark_non_differentiable(*rest)
+        ctx.request, ctx.has_bias = request, bias is not None
+        ctx.save_for_backward(hidden, weight, targets, bias, class_weight, lse)
 
     @staticmethod
     def backward(ctx, loss_grad, lse_grad, *unused):
@@ -374,9 +397,9 @@ class FunctorchLoss(torch.autograd.Function):
         want = (needs[0], needs[1], ctx.has_bias and needs[3])
         saved = ctx.saved_tensors
         with torch.no_grad():
-            grads = _recomputed_grads(saved, ctx.options, ctx.reduction, loss_grad, lse_grad, want)
+            grads = _recomputed_grads(saved, ctx.request, loss_grad, lse_grad, want)
         grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
-        return grads[0], grads[1], None, grads[2], None, None, None, None
+        return _input_grads(6, grads)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -384,47 +407,42 @@ class FunctorchLoss(torch.autograd.Function):
 
 
 # ---- per-token outputs ------------------------------------------------------------------
-_TOKEN_FLAGS = ("str outputs, bool metrics, bool logit_sum, bool sum_sq, bool grad_hidden, bool grad_weight, "
-                "bool grad_bias")
-_TOKEN_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, {LossOptions.op_schema()}, "
-                         f"{_TOKEN_FLAGS}) -> ({', '.join(['Tensor'] * 9)})")
+_TOKEN_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, {Request.schema()}) "
+                         f"-> {returns(TokenOutputs)}")
 _TOKEN_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor lse, Tensor loss_grad, "
-                          f"Tensor? lse_grad, Tensor? entropy_grad, {LossOptions.op_schema()}, "
-                          "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+                          f"Tensor? lse_grad, Tensor? entropy_grad, {Request.schema()}) -> {returns(Gradients)}")
 
 
-def _token_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, *args,
-                   keep: bool = False) -> tuple[tuple[Tensor, ...], "_chunked._kept.KeptRows | None"]:
-    """(``_token_forward``'s outputs, what the forward kept for its backward): with ``keep`` (no
-    gradients in the sweep) the rows that ``_kept`` keeps, None without."""
-    opts = LossOptions.from_op_args(args)
-    _, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
-    _chunked.backend_for(hidden.device).precompile("tokens:" + args[_NUM_OPTIONS], hidden.device)  # (as in _forward)
+def _token_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, request: Request,
+                   keep: bool = False) -> tuple[TokenOutputs, "_chunked._kept.KeptRows | None"]:
+    """(the ``TokenOutputs`` of ``request``, what the forward kept for its backward): with ``keep``
+    (no gradients in the sweep) the rows that ``_kept`` keeps, None without.
+
+    Per row [N] but the gradients: lse, log_probs, then entropy and is_top1 (with
+    ``return_metrics``), mean_logits (``logit_sum``), log_sum_sq_probs (``sum_sq``): empty where
+    not asked for. The gradients, those the request makes in the sweep (else empty), are those of
+    -mean_i log_probs_i over the n rows with a target (d out / d log_probs_i = -1 / n, rounded as
+    PyTorch's), a trainer's usual loss. Rows whose target is ``ignore_index`` get 0 (False)."""
+    _chunked.backend_for(hidden.device).precompile("tokens:" + request.outputs, hidden.device)  # (as the loss's)
     with _no_autocast(hidden):
-        res = _chunked.forward(hidden, weight, targets, bias, opts, "none", tuple(grads), return_metrics=metrics,
-                               logit_sum=logit_sum, sum_sq=sum_sq, match_training=True, grad_reduction="mean",
-                               keep=keep)
+        res = _chunked.forward(hidden, weight, targets, bias, request, keep=keep)
+
     def wanted(flag, t):  # (a new empty tensor for each output left out: outputs may not alias)
         return t if flag else res.lse.new_empty(0, dtype=t.dtype if t is not None else None)
 
-    return (
+    metrics = request.return_metrics
+    return TokenOutputs(
         res.lse, res.loss.neg(), wanted(metrics, res.entropy),
         res.correct.bool() if metrics else res.lse.new_empty(0, dtype=torch.bool),
-        wanted(logit_sum, res.mean_logit), wanted(sum_sq, res.log_sum_sq),
+        wanted(request.logit_sum, res.mean_logit), wanted(request.sum_sq, res.log_sum_sq),
         _or_empty(res.grad_hidden, hidden), _or_empty(res.grad_weight, hidden), _or_empty(res.grad_bias, hidden),
     ), res.kept
 
 
 def _token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
                    *args) -> tuple[Tensor, ...]:
-    """(lse, log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs, grad_hidden, grad_weight,
-    grad_bias), all per row [N] but the gradients, of the loss options in ``args`` (flat, then
-    the outputs' names, which statistics: metrics (entropy and is_top1), the logit sum, the sum of
-    squares, then which gradients to compute in the same sweep). Statistics not asked for are empty. The gradients are
-    those of -mean_i log_probs_i over the n rows with a target (d out / d log_probs_i = -1 / n,
-    rounded as PyTorch's), a trainer's usual loss; empty when not asked for. Rows whose target is
-    ``ignore_index`` get 0 (False) everywhere."""
-    return _token_outputs(hidden, weight, targets, bias, *args)[0]
+    """``_token_outputs`` of the request encoded in ``args``."""
+    return tuple(_token_outputs(hidden, weight, targets, bias, Request.decode(args))[0])
 
 
 token_forward_op = torch.library.custom_op(f"{NAMESPACE}::token_forward", _token_forward, mutates_args=(),
@@ -433,33 +451,38 @@ token_forward_op = torch.library.custom_op(f"{NAMESPACE}::token_forward", _token
 
 @token_forward_op.register_fake
 def _(hidden, weight, targets, bias, *args):
-    _, metrics, logit_sum, sum_sq, grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
+    request = Request.decode(args)
     n_rows = hidden.shape[0]
     acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
 
     def per_row(wanted, dtype=None):
         return torch.empty((n_rows,) if wanted else (0,), device=hidden.device, dtype=dtype or acc["dtype"])
 
-    return (
-        per_row(True), per_row(True), per_row(metrics), per_row(metrics, torch.bool), per_row(logit_sum),
-        per_row(sum_sq),
-        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-        hidden.new_empty(weight.shape if grad_weight else (0,)),
-        hidden.new_empty(bias.shape if grad_bias else (0,)),
+    metrics = request.return_metrics
+    return TokenOutputs(
+        per_row(True), per_row(True), per_row(metrics), per_row(metrics, torch.bool), per_row(request.logit_sum),
+        per_row(request.sum_sq), *_fake_grads(hidden, weight, bias, request),
     )
 
 
-def _token_backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
-                      loss_grad: Tensor, lse_grad: Tensor | None, entropy_grad: Tensor | None,
-                      *args) -> tuple[Tensor, Tensor, Tensor]:
+def _token_backward_outputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
+                            loss_grad: Tensor, lse_grad: Tensor | None, entropy_grad: Tensor | None,
+                            request: Request) -> Gradients:
     """Gradients by recomputation for the per-row coefficients: ``loss_grad`` [N] of the loss
     lse - z_t (minus d out / d log_probs), ``lse_grad`` [N] of lse, ``entropy_grad`` [N] of the
-    entropy (its -e H part inside ``lse_grad``); ``args``: the options, then which gradients."""
-    opts, grads = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    entropy (its -e H part inside ``lse_grad``); those of ``request.grads``."""
     with _no_autocast(hidden):
-        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts, grads,
+        grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request,
                                   entropy_grad=entropy_grad)
-    return tuple(_or_empty(g, hidden) for g in grads)
+    return Gradients(*(_or_empty(g, hidden) for g in grads))
+
+
+def _token_backward_grads(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, lse: Tensor,
+                          loss_grad: Tensor, lse_grad: Tensor | None, entropy_grad: Tensor | None,
+                          *args) -> tuple[Tensor, Tensor, Tensor]:
+    """``_token_backward_outputs`` of the request encoded in ``args``."""
+    return tuple(_token_backward_outputs(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad,
+                                         Request.decode(args)))
 
 
 token_backward_op = torch.library.custom_op(f"{NAMESPACE}::token_backward", _token_backward_grads, mutates_args=(),
@@ -468,65 +491,48 @@ token_backward_op = torch.library.custom_op(f"{NAMESPACE}::token_backward", _tok
 
 @token_backward_op.register_fake
 def _(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, *args):
-    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
-    return (
-        hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-        hidden.new_empty(weight.shape if grad_weight else (0,)),
-        hidden.new_empty(bias.shape if grad_bias else (0,)),
-    )
+    return tuple(_fake_grads(hidden, weight, bias, Request.decode(args)))
 
 
-# Whether a backward of per-token outputs last found d out / d log_probs equal on every row with
-# a target (and no entropy gradient): then the gradients made in the forward's sweep, scaled, are
-# exact. Keyed by the outputs asked for ("entropy,log_probs"): a trainer whose loss weights its
-# tokens alike (SFT's NLL) keeps the sweep's gradients, one whose weights differ (RL, preference
-# losses) recomputes them after its first step. A backward that did not take the sweep's
-# gradients still checks its weights (one small launch, read by the next forward: ``_pending``),
-# so that the sweep re-arms once they are equal again: [sft, sft, rl, sft, sft] computes the
-# gradients in the sweep of calls 1, 2, 3 and 5 (call 3's backward finds them unequal and
-# recomputes, call 4's finds them equal).
-_uniform_grads: dict[str, bool] = {}
-_pending: dict[str, tuple] = {}  # outputs -> (host flag [1], ready event or None), from a later backward
-
-
-def speculates(outputs: str) -> bool:
-    """Whether a per-token forward of ``outputs`` computes gradients in its sweep by default (its
-    caller's ``grad_in_forward`` None): unless the last backward of those outputs found unequal weights."""
-    pending = _pending.pop(outputs, None)
-    if pending is not None:
-        flag, ready = pending
-        if ready is not None:
-            ready.synchronize()  # (long done: queued in the last backward)
-        _uniform_grads[outputs] = bool(flag[0] == 1.0)
-    return _uniform_grads.get(outputs, True)
+def token_recompute(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad,
+                    request: Request) -> Gradients:
+    """``token_backward_op`` where traced, its implementation directly in eager mode."""
+    if _is_traced(hidden):
+        return Gradients(*token_backward_op(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad,
+                                            *request.encode()))
+    return _token_backward_outputs(hidden, weight, targets, bias, lse, loss_grad, lse_grad, entropy_grad, request)
 
 
 def _recheck_weights(key: str, log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> None:
     """Queues the check of a backward that did not take the sweep's gradients, while the sweep is
-    off for ``key``: whether the weights were equal, for ``speculates`` to read (no host wait here)."""
-    if _uniform_grads.get(key) is not False or (targets.is_cuda and torch.cuda.is_current_stream_capturing()):
+    off for ``key``: whether the weights were equal, for ``TOKEN_SPECULATION`` to read at the next
+    forward (no host wait here)."""
+    if not TOKEN_SPECULATION.off(key) or (targets.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     found = _chunked.backend_for(targets.device).mean_grad_ratio(log_prob_grad.float().contiguous(), targets,
                                                                  ignore_index)
-    _pending[key] = _chunked.copy_to_host(found[:1])
+    TOKEN_SPECULATION.recheck(key, copy_to_host(found[:1]))
+
+
+def _token_setup(ctx, tensors: tuple, request: Request, output: TokenOutputs, num_inputs: int) -> None:
+    """The autograd context of a per-token forward, for either form of the call."""
+    hidden, weight, targets, bias = tensors
+    ctx.mark_non_differentiable(output.lse, *output[3:])
+    ctx.set_materialize_grads(False)
+    ctx.request = request
+    ctx.num_inputs = num_inputs
+    ctx.has_bias = bias is not None
+    ctx.speculated = any(request.grads)
+    ctx.consumed = False
+    ctx.key = request.outputs
+    ctx.kept = None  # what the eager forward kept (``_EagerTokenForward``)
+    saved_grads = (output.grad_hidden, output.grad_weight, output.grad_bias) if ctx.speculated else ()
+    ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), output.lse,
+                          output.entropy if request.return_metrics else None, *saved_grads)
 
 
 def _token_setup_context(ctx, inputs, output):
-    hidden, weight, targets, bias, *args = inputs
-    opts = LossOptions.from_op_args(args)
-    outputs, metrics, logit_sum, sum_sq, *grads = args[_NUM_OPTIONS:]
-    lse, log_probs, entropy, *rest = output
-    ctx.mark_non_differentiable(lse, *rest)
-    ctx.set_materialize_grads(False)
-    ctx.options = opts
-    ctx.has_bias = bias is not None
-    ctx.speculated = any(grads)
-    ctx.consumed = False
-    ctx.key = outputs
-    ctx.kept = None  # what the eager forward kept (``_EagerTokenForward``)
-    saved_grads = rest[3:] if ctx.speculated else ()
-    ctx.save_for_backward(hidden, weight, targets, None if bias is None else bias.detach().clone(), lse,
-                          entropy if metrics else None, *saved_grads)
+    _token_setup(ctx, inputs[:4], Request.decode(inputs[4:]), TokenOutputs(*output), len(inputs))
 
 
 def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, bool, float]:
@@ -541,13 +547,13 @@ def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) 
 
 def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
     if log_prob_grad is None and entropy_grad is None:
-        return (None,) * (4 + _NUM_OPTIONS + 7)
+        return (None,) * ctx.num_inputs
     if torch.is_grad_enabled():
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     needs = ctx.needs_input_grad
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
     hidden, weight, targets, bias, lse, entropy, *saved_grads = ctx.saved_tensors
-    opts = ctx.options
+    opts = ctx.request.options
     if ctx.speculated:
         if ctx.consumed:
             raise RuntimeError("fused_linear_log_probs computed its gradients in the forward and they were already "
@@ -564,11 +570,11 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
                 if uniform and host_ratio != 1.0 and w and g.numel():
                     _scale_in_place(g, ratio)
                 grads.append(g if w else None)
-            _uniform_grads[ctx.key] = uniform
+            TOKEN_SPECULATION.found(ctx.key, uniform)
             if uniform:
-                return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
+                return _input_grads(ctx.num_inputs, grads)
         else:
-            _uniform_grads[ctx.key] = False
+            TOKEN_SPECULATION.found(ctx.key, False)
     elif log_prob_grad is not None and entropy_grad is None:
         _recheck_weights(ctx.key, log_prob_grad, targets, opts.ignore_index)
     valid = targets != opts.ignore_index
@@ -579,16 +585,16 @@ def _token_backward(ctx, lse_grad, log_prob_grad, entropy_grad, *unused):
         row_entropy_grad = torch.where(valid, entropy_grad.to(lse.dtype), zero).contiguous()
         row_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
     kept, ctx.kept = ctx.kept, None  # used once: the backward turns its buffers into grad logits
+    request = ctx.request.with_grads(want)
     if kept is not None:
         with _no_autocast(hidden):
-            grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, opts,
-                                      want, entropy_grad=row_entropy_grad, kept=kept)
+            grads = _chunked.backward(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad,
+                                      request, entropy_grad=row_entropy_grad, kept=kept)
     else:
-        grads = _traced(token_backward_op, _token_backward_grads, hidden)(
-            hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad, row_entropy_grad,
-            *opts.op_args(), *want)
+        grads = token_recompute(hidden, weight, targets, bias, lse, loss_grad.contiguous(), row_lse_grad,
+                                row_entropy_grad, request)
     grads = [g if w else None for g, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * (_NUM_OPTIONS + 7))
+    return _input_grads(ctx.num_inputs, grads)
 
 
 token_forward_op.register_autograd(_token_backward, setup_context=_token_setup_context)
@@ -610,15 +616,19 @@ class _EagerTokenForward(torch.autograd.Function):
     for its backward (the operator's outputs are fixed tensors)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        output, kept = _token_outputs(*args, keep=_keeps_rows(ctx, args[0], args[-3:]))
-        _token_setup_context(ctx, args, output)
+    def forward(ctx, hidden, weight, targets, bias, request):
+        output, kept = _token_outputs(hidden, weight, targets, bias, request,
+                                      keep=_keeps_rows(ctx, hidden, request.grads))
+        _token_setup(ctx, (hidden, weight, targets, bias), request, output, 5)
         ctx.kept = kept if kept is not None and kept.count > 0 else None
-        return output
+        return tuple(output)
 
     backward = staticmethod(_token_backward)
 
 
-def token_forward(*args) -> tuple[Tensor, ...]:
-    """``token_forward_op(*args)``: the operator where traced, ``_EagerTokenForward`` otherwise."""
-    return _traced(token_forward_op, _EagerTokenForward.apply, args[0])(*args)
+def token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                  request: Request) -> TokenOutputs:
+    """The per-token outputs: ``token_forward_op`` where traced, ``_EagerTokenForward`` otherwise."""
+    if _is_traced(hidden):
+        return TokenOutputs(*token_forward_op(hidden, weight, targets, bias, *request.encode()))
+    return TokenOutputs(*_EagerTokenForward.apply(hidden, weight, targets, bias, request))

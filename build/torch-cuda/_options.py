@@ -1,19 +1,18 @@
-"""Plain data shared by the layers: the loss options and the per-row statistics."""
+"""Plain data shared by the layers: the loss options, the request, the operators' outputs and
+the per-row statistics."""
 
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 
 
 @dataclass(frozen=True)
 class LossOptions:
-    """Everything but the tensors that defines the loss of one call, checked by the API layer.
-
-    The operators take these as flat schema arguments (a dataclass is no schema type):
-    ``op_args`` / ``from_op_args`` convert, and ``op_schema`` writes their part of the schema,
-    all in the order of the fields, so that a new option is one field here."""
+    """Everything but the tensors and the flags that defines the loss of one call, checked by the
+    API layer; the kernels read it as it is (``Request`` carries it to the operators)."""
 
     ignore_index: int = -100
     logit_scale: float = 1.0
@@ -21,7 +20,7 @@ class LossOptions:
     label_smoothing: float = 0.0
     z_loss_scale: float = 0.0
     total_vocab_size: int | None = None  # V of the whole vocabulary when weight is a shard
-    group_name: str | None = None  # vocabulary parallelism: the process group's registered name
+    group: object | None = None  # vocabulary parallelism: the torch.distributed ProcessGroup
     vocab_start: int = 0  # vocabulary parallelism: this rank's first row of the vocabulary
 
     def inv_vocab_size(self, local_vocab_size: int) -> float:
@@ -40,27 +39,66 @@ class LossOptions:
     def has_z_loss(self) -> bool:
         return self.z_loss_scale != 0.0
 
-    def op_args(self) -> tuple:
-        """The options as the operators' flat arguments."""
-        return tuple(getattr(self, name) for name in _FIELD_NAMES)
+
+@dataclass(frozen=True)
+class Request:
+    """One call as the operators take it: the loss options and the flags that say what to compute.
+
+    The only conversion to and from the operators' flat schema arguments is ``encode`` /
+    ``decode`` (a dataclass is no schema type), with ``schema()`` written from the same field
+    list, so that a new option is one field here. The process group travels as its registered
+    name through a schema (a ProcessGroup is no schema type), and as itself in eager mode, where
+    no operator is dispatched."""
+
+    options: LossOptions = LossOptions()
+    reduction: str = "mean"
+    return_metrics: bool = False  # per-row argmax, correctness and entropy (per-token: entropy, is_top1)
+    grad_hidden: bool = False  # gradients computed in the forward's sweep (backward: those wanted)
+    grad_weight: bool = False
+    grad_bias: bool = False
+    all_rows: bool = False  # every row's lse, ignored rows too
+    outputs: str = ""  # the per-token outputs asked for ("entropy,log_probs"); "" for the loss
+    logit_sum: bool = False  # each row's mean logit (per-token)
+    sum_sq: bool = False  # each row's log sum_j p_j^2 (per-token)
+
+    @property
+    def grads(self) -> tuple[bool, bool, bool]:
+        return self.grad_hidden, self.grad_weight, self.grad_bias
+
+    def with_grads(self, grads) -> "Request":
+        """The same request for the gradients ``grads`` (hidden, weight, bias)."""
+        grad_hidden, grad_weight, grad_bias = (bool(g) for g in grads)
+        return replace(self, grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias)
+
+    def encode(self) -> tuple:
+        """The request as the operators' flat schema arguments (``schema()``'s order)."""
+        options = self.options
+        values = [getattr(options, name) for name in _OPTION_NAMES]
+        values[_GROUP_SLOT] = None if options.group is None else options.group.group_name
+        return (*values, *(getattr(self, name) for name in _FLAG_NAMES))
 
     @classmethod
-    def from_op_args(cls, args) -> "LossOptions":
-        """The options back from the first ``num_op_args()`` of an operator's arguments."""
-        return cls(*args[: len(_FIELD_NAMES)])
+    def decode(cls, args) -> "Request":
+        """The request back from an operator's flat arguments (``encode``'s)."""
+        values = list(args[:len(_OPTION_NAMES)])
+        if values[_GROUP_SLOT] is not None:
+            from ._distributed import resolve_group
+
+            values[_GROUP_SLOT] = resolve_group(values[_GROUP_SLOT])
+        return cls(LossOptions(*values), *args[len(_OPTION_NAMES):])
 
     @classmethod
-    def num_op_args(cls) -> int:
-        return len(_FIELD_NAMES)
-
-    @classmethod
-    def op_schema(cls) -> str:
-        """Their part of an operator's schema, e.g. ``"int ignore_index, float logit_scale, ..."``."""
-        return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(cls))
+    def schema(cls) -> str:
+        """Its part of an operator's schema: ``"int ignore_index, float logit_scale, ..."``."""
+        parts = [f"{'str?' if f.name == 'group' else _schema_type(f.type)} {f.name}" for f in fields(LossOptions)]
+        parts += [f"{_schema_type(f.type)} {f.name}" for f in fields(cls) if f.name != "options"]
+        return ", ".join(parts)
 
 
 # The fields in order, read once (``dataclasses.fields`` costs host time at every call).
-_FIELD_NAMES = tuple(f.name for f in fields(LossOptions))
+_OPTION_NAMES = tuple(f.name for f in fields(LossOptions))
+_GROUP_SLOT = _OPTION_NAMES.index("group")
+_FLAG_NAMES = tuple(f.name for f in fields(Request) if f.name != "options")
 
 
 _SCHEMA_TYPES = {int: "int", float: "float", str: "str", bool: "bool"}
@@ -72,6 +110,48 @@ def _schema_type(annotation) -> str:
         (inner,) = (a for a in typing.get_args(annotation) if a is not type(None))
         return _SCHEMA_TYPES[inner] + "?"
     return _SCHEMA_TYPES[annotation]
+
+
+class LossOutputs(NamedTuple):
+    """The loss operator's outputs; the last three per row with metrics, else empty."""
+
+    loss: torch.Tensor
+    lse: torch.Tensor
+    num_correct: torch.Tensor
+    entropy_sum: torch.Tensor
+    grad_hidden: torch.Tensor  # empty unless computed in the forward
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+    prediction: torch.Tensor
+    correct: torch.Tensor
+    entropy: torch.Tensor
+
+
+class TokenOutputs(NamedTuple):
+    """The per-token operator's outputs, all [N] but the gradients; those not asked for empty."""
+
+    lse: torch.Tensor
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+    mean_logits: torch.Tensor
+    log_sum_sq: torch.Tensor
+    grad_hidden: torch.Tensor
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+
+
+class Gradients(NamedTuple):
+    """A backward operator's outputs, empty where not wanted."""
+
+    grad_hidden: torch.Tensor
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+
+
+def returns(outputs: type) -> str:
+    """An operator schema's named returns for a NamedTuple of tensors: ``(Tensor loss, ...)``."""
+    return "(" + ", ".join(f"Tensor {name}" for name in outputs._fields) + ")"
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from . import _kernels
-from ._settings import current as settings
+from . import _kernels, _plan
 
 _warmed: set[tuple[str, int]] = set()
 _lock = threading.Lock()
@@ -173,7 +172,7 @@ def warm(kind: str, device: torch.device) -> int:
     for this kind, GPU and Triton). A kernel that failed to compile there compiles at its launch, which raises as it
     would have."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if (kind, index) in _warmed or not settings().precompile or torch.compiler.is_compiling():
+    if (kind, index) in _warmed or not _plan.precompiles() or torch.compiler.is_compiling():
         return 0
     with _lock:
         if (kind, index) in _warmed:

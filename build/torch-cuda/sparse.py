@@ -21,6 +21,8 @@ tail bucket they renormalise the log-probs over the ids, s_k - logsumexp_j s_j, 
 cancels: they then take the K logits alone (``picked_forward_op``), with no vocabulary sweep.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -31,13 +33,15 @@ from ._dtensor import has_dtensor
 from ._ops import (
     DOUBLE_BACKWARD_ERROR,
     NAMESPACE,
+    _fake_grads,
+    _input_grads,
+    _is_traced,
     _keeps_rows,
     _no_autocast,
-    _token_backward_grads,
+    _token_backward_outputs,
     _token_outputs,
-    _traced,
 )
-from ._options import LossOptions, accumulation_dtype
+from ._options import Gradients, LossOptions, Request, accumulation_dtype, returns
 from .interface import (
     _autocast,
     _check_inputs,
@@ -136,13 +140,22 @@ def _add_sparse_terms(grads: list, hidden: Tensor, weight: Tensor, ids: Tensor, 
 
 
 # ---- the operators: opaque to torch.compile, as the package's others (_ops.py) -------------
-_NUM_OPTIONS = LossOptions.num_op_args()
-_FLAGS = "str outputs, bool metrics, bool logit_sum, bool sum_sq"
-_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}, {_FLAGS}) "
-                   f"-> ({', '.join(['Tensor'] * 6)})")
+class SparseOutputs(NamedTuple):
+    """The sparse per-token operator's outputs: [N, K] and per row [N]; those not asked for empty."""
+
+    log_probs: Tensor
+    lse: Tensor
+    entropy: Tensor
+    mean_logits: Tensor
+    log_sum_sq: Tensor
+    logits: Tensor
+
+
+_FORWARD_SCHEMA = (f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {Request.schema()}) "
+                   f"-> {returns(SparseOutputs)}")
 _BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor lse, Tensor entropy, "
-                    f"Tensor logits, Tensor log_prob_grad, Tensor? entropy_grad, {LossOptions.op_schema()}, "
-                    "bool grad_hidden, bool grad_weight, bool grad_bias) -> (Tensor, Tensor, Tensor)")
+                    f"Tensor logits, Tensor log_prob_grad, Tensor? entropy_grad, {Request.schema()}) "
+                    f"-> {returns(Gradients)}")
 
 
 def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -152,31 +165,28 @@ def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return first, ids.gather(-1, first).squeeze(-1)
 
 
-def _sparse_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args,
-                    keep: bool = False) -> tuple[tuple[Tensor, ...], "_chunked._kept.KeptRows | None"]:
-    """(``_sparse_forward``'s outputs, what the sweep kept for the backward: with ``keep``, the
-    rows that ``_kept`` keeps, as the per-token forward does; else None)."""
-    opts = LossOptions.from_op_args(args)
-    key, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+def _sparse_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, request: Request,
+                    keep: bool = False) -> tuple[SparseOutputs, "_chunked._kept.KeptRows | None"]:
+    """(the ``SparseOutputs`` of ``ids`` [N, K] under ``request`` (its outputs' names and which
+    statistics the sweep keeps, as ``_ops._token_outputs``), what the sweep kept for the backward:
+    with ``keep``, the rows that ``_kept`` keeps, as the per-token forward does; else None). One
+    sweep against each row's first id gives lse (and the row's statistics); the K final logits
+    come from dot products (``_picked_logits``)."""
+    opts = request.options
     first, row_ids = _first_ids(ids, opts.ignore_index)
     (lse, row_log_probs, entropy, _, mean_logits, log_sum_sq, *_), kept = _token_outputs(
-        hidden, weight, row_ids, bias, *opts.op_args(), key, metrics, logit_sum, sum_sq, False, False, False,
-        keep=keep)
+        hidden, weight, row_ids, bias, request.with_grads((False,) * 3), keep=keep)
     valid = ids != opts.ignore_index
     with _no_autocast(hidden):  # the inputs are cast already; the products keep their dtype
         logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
     log_probs = torch.where(valid, logits - lse[:, None], 0.0)
     log_probs.scatter_(-1, first, row_log_probs[:, None])  # the sweep's own value at the first id
-    return (log_probs, lse, entropy, mean_logits, log_sum_sq, logits), kept
+    return SparseOutputs(log_probs, lse, entropy, mean_logits, log_sum_sq, logits), kept
 
 
 def _sparse_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> tuple[Tensor, ...]:
-    """(log_probs [N, K], lse, entropy, mean_logits, log_sum_sq_probs [N], logits [N, K]) of ``ids``
-    [N, K] under the options in ``args`` (flat ``LossOptions``, then the outputs' names and which
-    statistics the sweep keeps, as ``_ops._token_forward``); statistics not asked for are empty.
-    One sweep against each row's first id gives lse (and the row's statistics); the K final
-    logits come from dot products (``_picked_logits``)."""
-    return _sparse_outputs(hidden, weight, ids, bias, *args)[0]
+    """``_sparse_outputs`` of the request encoded in ``args``."""
+    return tuple(_sparse_outputs(hidden, weight, ids, bias, Request.decode(args))[0])
 
 
 sparse_forward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_forward", _sparse_forward, mutates_args=(),
@@ -185,7 +195,8 @@ sparse_forward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_forward"
 
 @sparse_forward_op.register_fake
 def _(hidden, weight, ids, bias, *args):
-    _, metrics, logit_sum, sum_sq = args[_NUM_OPTIONS:]
+    request = Request.decode(args)
+    metrics, logit_sum, sum_sq = request.return_metrics, request.logit_sum, request.sum_sq
     acc = dict(device=hidden.device, dtype=accumulation_dtype(hidden.dtype))
     n_rows = hidden.shape[0]
 
@@ -204,7 +215,8 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
     backward as its target, with d out / d lse = -(the other ids' sum), then the other ids'
     sparse terms (``_add_sparse_terms``). Rows the forward ``kept`` take their softmax from it
     instead of a recompute of their logits."""
-    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    opts, want = request.options, request.grads
     first, row_ids = _first_ids(ids, opts.ignore_index)
     valid = ids != opts.ignore_index
     g = torch.where(valid, log_prob_grad.to(logits.dtype), 0.0)
@@ -218,11 +230,11 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
         lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
     if kept is not None:
         with _no_autocast(hidden):
-            grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
-                                      want, entropy_grad=row_entropy_grad, kept=kept)
+            grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, request,
+                                      entropy_grad=row_entropy_grad, kept=kept)
     else:
-        grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
-                                      row_entropy_grad, *opts.op_args(), *want)
+        grads = _token_backward_outputs(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
+                                        row_entropy_grad, request)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
     if ids.shape[1] > 1:
         with _no_autocast(hidden):
@@ -236,25 +248,26 @@ sparse_backward_op = torch.library.custom_op(f"{NAMESPACE}::sparse_token_backwar
 
 @sparse_backward_op.register_fake
 def _(hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad, entropy_grad, *args):
-    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
-    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-            hidden.new_empty(weight.shape if grad_weight else (0,)),
-            hidden.new_empty(bias.shape if grad_bias else (0,)))
+    return tuple(_fake_grads(hidden, weight, bias, Request.decode(args)))
 
 
-def _setup_context(ctx, inputs, output):
-    hidden, weight, ids, bias, *args = inputs
+def _setup(ctx, tensors: tuple, request: Request, output: SparseOutputs, num_inputs: int) -> None:
+    hidden, weight, ids, bias = tensors
     log_probs, lse, entropy, mean_logits, log_sum_sq, logits = output
     ctx.mark_non_differentiable(lse, mean_logits, log_sum_sq, logits)
     ctx.set_materialize_grads(False)
-    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    ctx.request, ctx.has_bias, ctx.num_inputs = request, bias is not None, num_inputs
     ctx.kept = None  # what the eager forward kept (``_EagerSparseForward``)
     # the bias as the forward saw it (F.linear does not save its bias; see _ops._setup_context)
     ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), lse, entropy, logits)
 
 
+def _setup_context(ctx, inputs, output):
+    _setup(ctx, inputs[:4], Request.decode(inputs[4:]), SparseOutputs(*output), len(inputs))
+
+
 def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
-    num_inputs = 4 + _NUM_OPTIONS + 4
+    num_inputs = ctx.num_inputs
     needs = ctx.needs_input_grad
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
     if (log_prob_grad is None and entropy_grad is None) or not any(want):
@@ -265,12 +278,14 @@ def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
     if log_prob_grad is None:
         log_prob_grad = torch.zeros_like(logits)
     kept, ctx.kept = ctx.kept, None  # used once: the backward turns its buffers into grad logits
-    backward = (_traced(sparse_backward_op, _sparse_backward_grads, hidden) if kept is None
-                else lambda *args: _sparse_backward_grads(*args, kept=kept))
-    grads = backward(hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad,
-                     *ctx.options.op_args(), *want)
+    request = ctx.request.with_grads(want)
+    tensors = (hidden, weight, ids, bias, lse, entropy, logits, log_prob_grad.contiguous(), entropy_grad)
+    if kept is None and _is_traced(hidden):
+        grads = sparse_backward_op(*tensors, *request.encode())
+    else:
+        grads = _sparse_backward_grads(*tensors, request, kept=kept)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * (num_inputs - 4))
+    return _input_grads(num_inputs, grads)
 
 
 sparse_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -280,25 +295,25 @@ class _EagerSparseForward(torch.autograd.Function):
     """``sparse_forward_op`` in eager mode, without the operator's dispatch (as ``_ops._EagerTokenForward``)."""
 
     @staticmethod
-    def forward(ctx, *args):
-        output, kept = _sparse_outputs(*args, keep=_keeps_rows(ctx, args[0], ()))
-        _setup_context(ctx, args, output)
+    def forward(ctx, hidden, weight, ids, bias, request):
+        output, kept = _sparse_outputs(hidden, weight, ids, bias, request, keep=_keeps_rows(ctx, hidden, ()))
+        _setup(ctx, (hidden, weight, ids, bias), request, output, 5)
         ctx.kept = kept if kept is not None and kept.count > 0 else None
-        return output
+        return tuple(output)
 
     backward = staticmethod(_backward)
 
 
 # ---- the K logits alone: what the losses renormalised over the ids need (no lse) ----------
-_PICKED_SCHEMA = f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {LossOptions.op_schema()}) -> Tensor"
+_PICKED_SCHEMA = f"(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, {Request.schema()}) -> Tensor"
 _PICKED_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Tensor logits, Tensor logit_grad, "
-                           f"{LossOptions.op_schema()}, bool grad_hidden, bool grad_weight, bool grad_bias) "
-                           "-> (Tensor, Tensor, Tensor)")
+                           f"{Request.schema()}) -> {returns(Gradients)}")
 
 
 def _picked_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> Tensor:
-    """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs), 0 where ignored."""
-    opts = LossOptions.from_op_args(args)
+    """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs), 0 where ignored, of the
+    request in ``args`` (the ``Request`` itself in eager mode, else encoded)."""
+    opts = (args[0] if isinstance(args[0], Request) else Request.decode(args)).options
     valid = ids != opts.ignore_index
     with _no_autocast(hidden):
         logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
@@ -318,7 +333,8 @@ def _picked_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
                            logit_grad: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of the picked logits for d out / d logits [N, K]:
     the sparse terms alone (``_add_sparse_terms``), empty where not asked for."""
-    opts, want = LossOptions.from_op_args(args), tuple(args[_NUM_OPTIONS:])
+    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    opts, want = request.options, request.grads
     valid = ids != opts.ignore_index
     coef = torch.where(valid, logit_grad.to(logits.dtype), 0.0) * _logit_chain(logits, opts)
     grads = [torch.zeros_like(t) if w else None for t, w in zip((hidden, weight, bias), want, strict=True)]
@@ -333,20 +349,18 @@ picked_backward_op = torch.library.custom_op(f"{NAMESPACE}::picked_logits_backwa
 
 @picked_backward_op.register_fake
 def _(hidden, weight, ids, bias, logits, logit_grad, *args):
-    grad_hidden, grad_weight, grad_bias = args[_NUM_OPTIONS:]
-    return (hidden.new_empty(hidden.shape if grad_hidden else (0,)),
-            hidden.new_empty(weight.shape if grad_weight else (0,)),
-            hidden.new_empty(bias.shape if grad_bias else (0,)))
+    return tuple(_fake_grads(hidden, weight, bias, Request.decode(args)))
 
 
 def _picked_setup_context(ctx, inputs, output):
     hidden, weight, ids, bias, *args = inputs
-    ctx.options, ctx.has_bias = LossOptions.from_op_args(args), bias is not None
+    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    ctx.request, ctx.has_bias, ctx.num_inputs = request, bias is not None, len(inputs)
     ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), output)
 
 
 def _picked_backward(ctx, logit_grad):
-    num_inputs = 4 + _NUM_OPTIONS
+    num_inputs = ctx.num_inputs
     needs = ctx.needs_input_grad
     want = (needs[0], needs[1], ctx.has_bias and needs[3])
     if logit_grad is None or not any(want):
@@ -354,10 +368,13 @@ def _picked_backward(ctx, logit_grad):
     if torch.is_grad_enabled():
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
     hidden, weight, ids, bias, logits = ctx.saved_tensors
-    grads = _traced(picked_backward_op, _picked_backward_grads, hidden)(
-        hidden, weight, ids, bias, logits, logit_grad.contiguous(), *ctx.options.op_args(), *want)
+    request = ctx.request.with_grads(want)
+    if _is_traced(hidden):
+        grads = picked_backward_op(hidden, weight, ids, bias, logits, logit_grad.contiguous(), *request.encode())
+    else:
+        grads = _picked_backward_grads(hidden, weight, ids, bias, logits, logit_grad.contiguous(), request)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
-    return grads[0], grads[1], None, grads[2], *([None] * _NUM_OPTIONS)
+    return _input_grads(num_inputs, grads)
 
 
 picked_forward_op.register_autograd(_picked_backward, setup_context=_picked_setup_context)
@@ -428,10 +445,11 @@ def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
                                                                    logit_scale, softcap, ignore_index)
     key = ",".join(sorted(set(outputs) | {"log_probs"}))
     backend_for(hidden_2d.device).precompile("tokens:" + key, hidden_2d.device)
-    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
-        sparse_forward_op, _EagerSparseForward.apply, hidden_2d)(
-        hidden_2d, weight, ids_2d, bias, *opts.op_args(), key, "entropy" in outputs, "mean_logits" in outputs,
-        "log_sum_sq_probs" in outputs))
+    request = Request(opts, "none", "entropy" in outputs, outputs=key, logit_sum="mean_logits" in outputs,
+                      sum_sq="log_sum_sq_probs" in outputs)
+    log_probs, _, entropy, mean_logits, log_sum_sq, _ = _checked_ids(ids_2d, weight.shape[0], opts, lambda: (
+        sparse_forward_op(hidden_2d, weight, ids_2d, bias, *request.encode()) if _is_traced(hidden_2d)
+        else _EagerSparseForward.apply(hidden_2d, weight, ids_2d, bias, request)))
     per_row = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits)
     values = {name: value.reshape(ids.shape[:-1]) for name, value in per_row.items() if name in outputs}
     values["log_probs"] = log_probs.reshape(ids.shape)
@@ -447,8 +465,10 @@ def _support_scores(hidden, weight, ids, bias, add_tail: bool, **options) -> Ten
     hidden_2d, weight, ids_2d, bias, opts = _checked_sparse_inputs(
         hidden, weight, ids, bias, options["temperature"], options["logit_scale"], options["softcap"],
         options["ignore_index"])
-    logits = _checked_ids(ids_2d, weight.shape[0], opts, lambda: _traced(
-        picked_forward_op, _EagerPickedLogits.apply, hidden_2d)(hidden_2d, weight, ids_2d, bias, *opts.op_args()))
+    request = Request(opts)
+    logits = _checked_ids(ids_2d, weight.shape[0], opts, lambda: (
+        picked_forward_op(hidden_2d, weight, ids_2d, bias, *request.encode()) if _is_traced(hidden_2d)
+        else _EagerPickedLogits.apply(hidden_2d, weight, ids_2d, bias, request)))
     return logits.reshape(ids.shape)
 
 

@@ -97,16 +97,16 @@ def test_torch_path_matches_reference(flce, p):
 def test_torch_path_chunks_fit_the_buffer_size(flce, tune, dtype, vocab_size):
     """Rows per chunk: the fp32 logits, one fp32 temporary of their size and (16-bit inputs) the
     grad logits in that dtype fit in ``buffer_mib``, with as many rows as fit (at least one)."""
-    backend = submodule(flce, "_torch_backend")
+    plan = submodule(flce, "_plan")
     per_row = vocab_size * (8 + (dtype.itemsize if dtype.itemsize < 4 else 0))
     for mib in (4, 256):
         tune(buffer_mib=mib, chunk_rows=None)
-        rows = backend.chunk_rows(10**6, vocab_size, dtype, True)
+        rows = plan.chunk_rows("torch", 10**6, vocab_size, dtype, True)
         assert rows * per_row <= mib * 2**20
         assert rows == 4096 or (rows + 1) * per_row > mib * 2**20  # as many as fit, up to chunk_rows' 4096
-        assert backend.chunk_rows(2, vocab_size, dtype, True) == 2  # never more rows than there are
+        assert plan.chunk_rows("torch", 2, vocab_size, dtype, True) == 2  # never more rows than there are
     tune(buffer_mib=0)
-    assert backend.chunk_rows(10**6, vocab_size, dtype, True) == 1
+    assert plan.chunk_rows("torch", 10**6, vocab_size, dtype, True) == 1
 
 
 pytest.importorskip("transformers")

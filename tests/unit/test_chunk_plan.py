@@ -28,10 +28,15 @@ DEFAULTS = dict(chunk_rows=None, buffer_mib=None)
 
 
 def _plan(flce, n_rows, chunk, count, training, row_block=128, sweep_tiles=None):
-    chunked = submodule(flce, "_chunked")
+    plan = submodule(flce, "_plan")
     order = None if count is None else _Count(count)
-    first = chunked._first_chunk_rows(n_rows, chunk, order, training, row_block, sweep_tiles)
-    return first, list(chunked._spans(n_rows, chunk, order, first, row_block, sweep_tiles))
+    first = plan.first_chunk_rows(n_rows, chunk, order, training, row_block, sweep_tiles)
+    return first, list(plan.spans(n_rows, chunk, order, first, row_block, sweep_tiles))
+
+
+def _triton_rows(flce, *args, **kwargs):
+    """Rows per chunk of the Triton backend (``_plan.chunk_rows``)."""
+    return submodule(flce, "_plan").chunk_rows("triton", *args, **kwargs)
 
 
 def _rounds(spans, row_block, tiles_per_block, programs):
@@ -117,8 +122,7 @@ def test_round_filled_chunks_keep_the_plan_and_never_take_more_rounds(flce, n_ro
         half = math.ceil(math.ceil(n_rows / 2) / row_block) * row_block if n_rows >= 2048 else n_rows
         planned = min(chunk, n_rows, half)
         assert math.ceil(0.85 * (planned // row_block)) * row_block <= first <= planned
-    chunked = submodule(flce, "_chunked")
-    even = list(chunked._spans(n_rows, chunk, _Count(count), first, row_block))
+    even = list(submodule(flce, "_plan").spans(n_rows, chunk, _Count(count), first, row_block))
     assert _rounds(spans, row_block, tiles, programs) <= _rounds(even, row_block, tiles, programs)
 
 
@@ -134,12 +138,11 @@ def test_a_forward_that_fits_one_chunk_computes_half_first(flce):
 
 def test_chunk_rows_without_spread_is_the_largest_chunk(flce, tune):
     tune(**DEFAULTS)
-    backend = submodule(flce, "_triton_backend")
     # Llama-3's head, 8192 rows in chunks of at most 1536: spread evenly, six chunks of 1408
     # (whole blocks of 128); without spreading, the cap itself.
-    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, hidden_size=4096) == 1408
-    assert backend.chunk_rows(8192, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
-    assert backend.chunk_rows(1000, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1000
+    assert _triton_rows(flce, 8192, 128256, torch.bfloat16, True, hidden_size=4096) == 1408
+    assert _triton_rows(flce, 8192, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
+    assert _triton_rows(flce, 1000, 128256, torch.bfloat16, True, spread=False, hidden_size=4096) == 1000
 
 
 def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce, tune):
@@ -151,12 +154,11 @@ def test_a_training_chunk_stays_within_a_quarter_of_the_logits_of_8192_rows(flce
     (16000 columns, 32000 bytes a row) takes 2 x 2048 x 32000 // (32000 + 24576) = 2316, so 2304
     rows (the same 2048 rows' worth of the slice's logits)."""
     tune(**DEFAULTS)
-    backend = submodule(flce, "_triton_backend")
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
-    assert backend.chunk_rows(8192, 16000, torch.bfloat16, True, 2, spread=False, hidden_size=4096) == 2304
-    assert backend.chunk_rows(8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 1536
+    assert _triton_rows(flce, 8192, 16000, torch.bfloat16, True, 2, spread=False, hidden_size=4096) == 2304
+    assert _triton_rows(flce, 8192, 152064, torch.bfloat16, True, spread=False, hidden_size=3584) == 1536
     # Gemma-2's (2304, 256000): the 768 MiB buffer allows 1572 rows, so 1536
-    assert backend.chunk_rows(8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536
+    assert _triton_rows(flce, 8192, 256000, torch.bfloat16, True, spread=False, hidden_size=2304) == 1536
 
 
 def test_the_working_set_knob_trades_memory_for_fewer_chunks(flce, tune):
@@ -164,11 +166,10 @@ def test_the_working_set_knob_trades_memory_for_fewer_chunks(flce, tune):
     set: Llama-2's head (64000 + 16384 bytes a row) at 2600 takes 2600 x 64000 // 80384 = 2070, so
     2048 rows (four chunks of 7405 rows, where 1536 take five) when ``chunk_rows`` allows them;
     at 1024, 1024 x 64000 // 80384 = 815, so 768 rows."""
-    backend = submodule(flce, "_triton_backend")
     tune(buffer_mib=None, chunk_rows=2048, working_set_rows=2600)
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 2048
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 2048
     tune(working_set_rows=1024)
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 768
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096) == 768
 
 
 def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, tune):
@@ -177,9 +178,8 @@ def test_a_forward_in_192_row_tiles_plans_whole_tiles(flce, tune):
     inputs (7405 rows with a loss of 8192) take 4032 rows, then 3373; without ignored rows the
     8192 are spread over three chunks of 2880 (15 tiles) and the rest."""
     tune(**DEFAULTS)
-    backend = submodule(flce, "_triton_backend")
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, spread=False, row_block=192) == 4032
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, False, row_block=192) == 2880
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, False, spread=False, row_block=192) == 4032
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, False, row_block=192) == 2880
     assert _plan(flce, 8192, 4032, 7405, training=False, row_block=192) == (4032, [(0, 4032), (4032, 7405)])
     # rows that fit one chunk: half first, in whole tiles
     assert _plan(flce, 4000, 4032, 3600, training=False, row_block=192)[0] == 2112
@@ -197,12 +197,11 @@ def test_a_training_step_in_192_row_tiles_spreads_its_chunks_in_whole_tiles(flce
     one of 1280, 8 + 5 x 7 = 43, the fewest 8192 rows take. Without an order (every row in place) the spread
     chunk is 1536 in 192s (six chunks: 43 tiles) and 1408 in 128s."""
     tune(**DEFAULTS)
-    backend = submodule(flce, "_triton_backend")
     for row_block in (128, 192):
-        assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096,
+        assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, spread=False, hidden_size=4096,
                                   row_block=row_block) == 1536
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=128) == 1408
-    assert backend.chunk_rows(8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1536
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=128) == 1408
+    assert _triton_rows(flce, 8192, 32000, torch.bfloat16, True, hidden_size=4096, row_block=192) == 1536
     first, spans = _plan(flce, 8192, 1536, 8192, training=True, row_block=128)
     assert [end - start for start, end in spans] == [1536, 1408, 1408, 1408, 1408, 1024]
     assert sum(math.ceil((end - start) / 192) for start, end in spans) == 46
@@ -215,34 +214,25 @@ def test_the_torch_backend_and_a_cpu_forward_plan_in_128_row_blocks(flce):
     """Only the Gluon kernel's forward (CUDA, sm_90) tiles 192 rows; a CPU tensor's forward, and
     the PyTorch backend's, plan in 128-row blocks."""
     options = submodule(flce, "_options").LossOptions()
+    plan = submodule(flce, "_plan")
     for name in ("_triton_backend", "_torch_backend"):
-        backend = submodule(flce, name)
-        assert backend.row_block(torch.bfloat16, options, False, False, False, torch.device("cpu")) == 128
+        hardware = submodule(flce, name).hardware(torch.device("cpu"))
+        assert plan.row_block(torch.bfloat16, options, False, False, False, hardware) == 128
 
 
-def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce, monkeypatch):
-    """The gate of the Gluon statistics (``_gluon_sweep``), with a stand-in for the module on a
-    Hopper device: a 16-bit forward of plain logits, and a bf16 training step's factored sweep,
+def test_a_forward_plans_in_192_row_tiles_only_where_the_gluon_kernel_takes_its_sweep(flce):
+    """The gate of the Gluon statistics (``_plan.gluon_sweep``), on a Hopper device's facts: a
+    16-bit forward of plain logits, and a bf16 training step's factored sweep,
     plan in its 192-row tiles; metrics, a bias, a logit scale, a softcap, smoothing or fp32 inputs
     keep the logit kernel's 128 rows. z-loss
     does not change the forward's statistics, so it keeps the Gluon tiles there; a step with it
     is not factored."""
-    backend = submodule(flce, "_triton_backend")
+    plan = submodule(flce, "_plan")
     options = submodule(flce, "_options").LossOptions
-
-    class StandIn:  # _gluon_stats' constants, on a device where it runs
-        BLOCK_N, BLOCK_V = 192, type("constexpr", (), {"value": 256})()
-
-        @staticmethod
-        def device_applies(device):
-            return True
-
-    monkeypatch.setattr(backend, "_gluon_stats_module", lambda: StandIn)
-    monkeypatch.setattr(backend, "tile_width", lambda dtype: 256 if dtype != torch.float32 else 128)
-    cuda = torch.device("cuda", 0)
+    hopper = plan.Hardware("triton", programs=132, gluon_tile=(192, 256), capability=(9, 0))  # the kernel runs
 
     def block(dtype=torch.bfloat16, training=False, return_metrics=False, has_bias=False, **opts):
-        return backend.row_block(dtype, options(**opts), has_bias, training, return_metrics, cuda)
+        return plan.row_block(dtype, options(**opts), has_bias, training, return_metrics, hopper)
 
     assert block() == 192 and block(torch.float16) == 192 and block(z_loss_scale=1e-4) == 192
     assert block(return_metrics=True) == block(has_bias=True) == 128
@@ -277,7 +267,9 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
                 else if_improbable if counted.count(t) <= most else 0 for t in targets.tolist()]
 
     def flags(ignore_index=-100):
-        return chunked._rare_target_rows(backend, targets.to(DEVICE), 8, ignore_index).tolist()
+        rare = submodule(flce, "_plan").rare_target()  # (the plan's: None where the rule is off)
+        return None if rare is None else backend.take_out_flags(targets.to(DEVICE), 8, ignore_index, rare,
+                                                                chunked.IMPROBABLE_MAX_COUNT).tolist()
 
     assert flags() == expected(2, 64)
     assert flags(ignore_index=5) == expected(2, 64, ignore_index=5)
@@ -290,17 +282,14 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
         monkeypatch.setattr(chunked, "IMPROBABLE_MAX_COUNT", 3)  # target 2's four rows keep their entries in
         assert flags() == expected(0, 3)
     with override(rare_target=-1):  # no rule: no flags at all
-        assert chunked._rare_target_rows(backend, targets.to(DEVICE), 8, -100) is None
+        assert flags() is None
 
 
 
 
-def _step_chunk(flce, n_rows, vocab_size, hidden_size, dtype=torch.bfloat16, weight_grad=True, row_block=192,
-                shard=None):
-    chunked = submodule(flce, "_chunked")
-    backend = submodule(flce, "_triton_backend")
-    return chunked._plan_chunk(backend, n_rows, vocab_size, hidden_size, dtype, True, shard, spread=False,
-                               row_block=row_block, weight_grad=weight_grad)
+def _step_chunk(flce, n_rows, vocab_size, hidden_size, dtype=torch.bfloat16, weight_grad=True, row_block=192):
+    return submodule(flce, "_plan").plan_chunk("triton", n_rows, vocab_size, hidden_size, dtype, True, spread=False,
+                                               row_block=row_block, weight_grad=weight_grad)
 
 
 def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memory(flce, tune):
@@ -322,11 +311,11 @@ def test_a_step_of_more_than_8_chunks_takes_8_larger_ones_in_the_fp32_sums_memor
     # Llama-2's head at 32768 rows: 4224 x 80384 = 340 MB, within 1536 x 80384 + 524 MB
     assert _step_chunk(flce, 32768, 32000, 4096) == 4224
     # the grown chunk's memory is at most the planned chunk's and the fp32 sum's
-    backend = submodule(flce, "_triton_backend")
+    plan = submodule(flce, "_plan")
     for n_rows, vocab_size, hidden_size in ((32768, 128256, 4096), (16384, 128256, 4096), (32768, 256000, 2304)):
         grown = _step_chunk(flce, n_rows, vocab_size, hidden_size)
-        planned = backend.chunk_bytes(1536, vocab_size, torch.bfloat16, hidden_size) + vocab_size * hidden_size * 4
-        assert backend.chunk_bytes(grown, vocab_size, torch.bfloat16, hidden_size) <= planned
+        planned = plan.chunk_bytes(1536, vocab_size, torch.bfloat16, hidden_size) + vocab_size * hidden_size * 4
+        assert plan.chunk_bytes(grown, vocab_size, torch.bfloat16, hidden_size) <= planned
         assert math.ceil(n_rows / grown) == 8
 
 
@@ -336,10 +325,9 @@ def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, tune):
     (``weight_group`` 1000: no fp32 sum), or for a small head summed in fp32 from the start (its
     V x H x 4 bytes within 64 MiB); on the PyTorch backend, whose chunks never grow."""
     tune(**DEFAULTS)
-    backend = submodule(flce, "_triton_backend")
 
     def planned(vocab_size, hidden_size, dtype=torch.bfloat16):
-        return backend.chunk_rows(32768, vocab_size, dtype, True, spread=False, hidden_size=hidden_size,
+        return _triton_rows(flce, 32768, vocab_size, dtype, True, spread=False, hidden_size=hidden_size,
                                   row_block=192)
 
     assert _step_chunk(flce, 32768, 128256, 4096, weight_grad=False) == 1536
@@ -350,16 +338,14 @@ def test_chunks_grow_only_where_the_step_would_keep_an_fp32_sum(flce, tune):
     assert _step_chunk(flce, 32768, 8000, 2000) == planned(8000, 2000)
     # no buffer of 2^31 elements or more: a (16384, 256000) head's 131072 rows in 8 chunks of
     # 16512 would hold 4.23e9 a chunk (8.5 GB, under the 16.8 GB fp32 sum)
-    assert _step_chunk(flce, 131072, 256000, 16384) == backend.chunk_rows(
-        131072, 256000, torch.bfloat16, True, spread=False, hidden_size=16384, row_block=192)
+    assert _step_chunk(flce, 131072, 256000, 16384) == _triton_rows(
+        flce, 131072, 256000, torch.bfloat16, True, spread=False, hidden_size=16384, row_block=192)
     override = submodule(flce, "_settings").override
     assert _step_chunk(flce, 32768, 128256, 4096) == 4224  # grown, but for the settings below
     for changes in (dict(grow_chunks=False), dict(chunk_rows=1536), dict(weight_group=1000)):
         with override(**changes):
             assert _step_chunk(flce, 32768, 128256, 4096) == 1536, changes
-    torch_backend = submodule(flce, "_torch_backend")
-    assert torch_backend.chunk_bytes(4096, 128256, torch.bfloat16, 4096) is None
-    chunked = submodule(flce, "_chunked")
-    planned = torch_backend.chunk_rows(32768, 128256, torch.bfloat16, True, spread=False, hidden_size=4096)
-    assert chunked._plan_chunk(torch_backend, 32768, 128256, 4096, torch.bfloat16, True, None, spread=False,
-                               weight_grad=True) == planned
+    plan = submodule(flce, "_plan")
+    planned = plan.chunk_rows("torch", 32768, 128256, torch.bfloat16, True, spread=False, hidden_size=4096)
+    assert plan.plan_chunk("torch", 32768, 128256, 4096, torch.bfloat16, True, spread=False,
+                           weight_grad=True) == planned

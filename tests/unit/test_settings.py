@@ -65,14 +65,18 @@ def test_keep_mib_sets_the_kept_rows_budget(flce, settings, environ):
     unset, TRL's head's peak less ours: for a bf16 Llama-3 head at 8192 rows, (V + N) H 4 bytes
     plus TRL's 4096 x 32768 logit tile (``_kept`` derives it) less a margin, and less a training
     chunk where some rows are recomputed."""
-    kept = submodule(flce, "_kept")
+    kept, plan = submodule(flce, "_kept"), submodule(flce, "_plan")
+
+    def budgets():  # (the plan reads the setting, the budget takes it)
+        return kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8, plan.keep_budget()[0])
+
     environ(FLCE_KEEP_MIB="0")
-    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (0, 0)
+    assert budgets() == (0, 0)
     environ(FLCE_KEEP_MIB="3")
-    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (3 * 2**20, 3 * 2**20)
+    assert budgets() == (3 * 2**20, 3 * 2**20)
     environ(FLCE_KEEP_MIB="")
     every = (128256 + 8192) * 4096 * 4 + 4096 * 32768 * 2 - 64 * 2**20  # (64 MiB left free: _kept.MARGIN_BYTES)
-    assert kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8) == (every, every - 10**8)
+    assert budgets() == (every, every - 10**8)
 
 
 @pytest.mark.parametrize("variable", ["FLCE_CHECK_TARGETS", "FLCE_TRITON"])
@@ -105,12 +109,12 @@ def test_a_bad_variable_fails_the_first_call_naming_it(flce, environ):
 def test_chunk_rows_sets_the_chunks(flce, settings, environ, monkeypatch):
     """FLCE_CHUNK_ROWS=64: 200 rows take chunks of 64, 64, 64 and 8 (the planner says 64); unset,
     one chunk of 200 (the PyTorch backend's default cap is 4096 rows)."""
-    torch_backend = submodule(flce, "_torch_backend")
-    assert torch_backend.chunk_rows(200, 50, torch.float32, True) == 200
+    plan = submodule(flce, "_plan")
+    assert plan.chunk_rows("torch", 200, 50, torch.float32, True) == 200
     assert _chunk_sizes(flce, monkeypatch) == [200]
     environ(FLCE_CHUNK_ROWS="64")
     assert settings.current().chunk_rows == 64
-    assert torch_backend.chunk_rows(200, 50, torch.float32, True) == 64
+    assert plan.chunk_rows("torch", 200, 50, torch.float32, True) == 64
     assert _chunk_sizes(flce, monkeypatch) == [64, 64, 64, 8]
 
 
@@ -118,11 +122,11 @@ def test_buffer_mib_sets_the_buffer(flce, environ):
     """FLCE_BUFFER_MIB=1 on the PyTorch backend: fp32 logits and one fp32 temporary of 1000
     columns, 8000 bytes a row, so 131 rows in 1 MiB (2^20 // 8000); 256 MiB by default hold the
     4096-row cap."""
-    torch_backend = submodule(flce, "_torch_backend")
+    plan = submodule(flce, "_plan")
     environ(FLCE_CHUNK_ROWS="")  # an empty variable is an unset one
-    assert torch_backend.chunk_rows(10**6, 1000, torch.float32, True) == 4096
+    assert plan.chunk_rows("torch", 10**6, 1000, torch.float32, True) == 4096
     environ(FLCE_BUFFER_MIB="1")
-    assert torch_backend.chunk_rows(10**6, 1000, torch.float32, True) == 2**20 // 8000 == 131
+    assert plan.chunk_rows("torch", 10**6, 1000, torch.float32, True) == 2**20 // 8000 == 131
 
 
 @pytest.mark.parametrize("text", ["false", "0"])

@@ -19,19 +19,10 @@ from ._options import LossOptions, RowResults, RowStats
 
 @runtime_checkable
 class Backend(Protocol):
-    def chunk_rows(self, n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-                   spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
-        """Rows per chunk (>= 1) for ``n_rows`` rows; without ``spread``, the largest chunk; a
-        forward's in whole ``row_block``s."""
-
-    def chunk_bytes(self, rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int,
-                    shards: int = 1) -> int | None:
-        """Bytes a training chunk of ``rows`` keeps at any time (its buffer and what lives beside
-        it), by the memory model of ``chunk_rows``; None where chunks may not grow past it."""
-
-    def row_block(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool,
-                  return_metrics: bool, device: torch.device) -> int:
-        """Rows a tile of this call's statistics sweeps (128 or more): chunks are planned in them."""
+    def hardware(self, device: torch.device) -> Any:
+        """The device's facts for the plan (``_plan.Hardware``): which backend, the interpreter, the
+        programs of a persistent round, the Gluon kernel's tile where it runs. The plan
+        (``_plan``) makes every choice from them: chunks, row blocks, the factored gradient."""
 
     def targets_out_of_range(self, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
         """A [] int32 flag, 1 if a target [N] is neither in [0, vocab_size) nor ``ignore_index``."""
@@ -40,10 +31,6 @@ class Backend(Protocol):
         """Readies the kernels of a call of ``kind`` ("loss", "metrics", or "tokens:" and the
         per-token outputs' sorted names, comma-separated) on ``device``
         before its first launch; the Triton backend compiles them in parallel, forked processes."""
-
-    def sweep_tiles(self, vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
-        """(vocabulary tiles a row block, programs a round) of the backend's persistent sweep, for
-        chunks sized to fill its rounds; None where there are none."""
 
     def new_buffer(self, rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The chunk buffer [rows, V] for inputs of ``dtype``, in the storage dtype that the
@@ -65,9 +52,6 @@ class Backend(Protocol):
         in one call before a step's chunks, the value ``row_stats`` would compute for the row;
         with ``rows`` (int64 [N]) row i is hidden[rows[i]]. None where ``row_stats`` finds the
         target logits itself, chunk by chunk."""
-
-    def factored_gradient(self, dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
-        """Whether training chunks take the factored gradient (``FactoredBackend``)."""
 
     def row_stats(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, opts: LossOptions, shifted_out: torch.Tensor | None = None,
@@ -123,7 +107,7 @@ class Backend(Protocol):
 @runtime_checkable
 class FactoredBackend(Backend, Protocol):
     """A backend whose training chunks can keep exponentials and factor their gradient as
-    diag(r) E' + diag(c) T (see ``_kernels``); called only where ``factored_gradient`` says so."""
+    diag(r) E' + diag(c) T (see ``_kernels``); called only where the plan (``_plan.factored_gradient``) says so."""
 
     def row_reference(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       opts: LossOptions, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,35 +11,16 @@ term of the metrics is summed over blocks of a few rows.
 import torch
 
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
-from ._settings import current as settings
 
 # Elements of the per-block temporaries of the entropy term (4 MiB of fp32).
 _BLOCK_ELEMENTS = 2**20
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
-    """Rows per chunk: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit
-    inputs, the grad logits cast to that dtype stay under ``buffer_mib`` (256) together (a vocabulary
-    slice of one of ``shards`` ranks: ``shards`` times the rows). The largest such chunk, with
-    or without ``spread`` (the chunk loop's planning hint, which this backend needs not), for
-    any ``hidden_size`` and ``row_block``."""
-    tuning = settings()
-    budget = (256 if tuning.buffer_mib is None else tuning.buffer_mib) * 2**20
-    acc_size = accumulation_dtype(dtype).itemsize
-    bytes_per_row = vocab_size * (2 * acc_size + (dtype.itemsize if dtype.itemsize < 4 else 0))
-    return max(1, min(n_rows, (tuning.chunk_rows or 4096) * shards, budget // bytes_per_row))
+def hardware(device: torch.device):
+    """This backend's facts for the plan (``_plan.Hardware``): no tiles, no rounds."""
+    from . import _plan
 
-
-def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int, shards: int = 1) -> None:
-    """None: this backend's chunks never grow past ``chunk_rows`` (``_chunked._grown_chunk``)."""
-    return None
-
-
-def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
-              device: torch.device) -> int:
-    """Rows in which the forward's chunks are planned: 128 (this backend has no tiles)."""
-    return 128
+    return _plan.TORCH
 
 
 def out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
@@ -54,11 +35,6 @@ def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: i
 
 def precompile(kind: str, device: torch.device) -> None:
     """Nothing: PyTorch's operators need no compilation."""
-
-
-def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """None: this backend's chunks have no rounds of tiles to fill."""
-    return None
 
 
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -243,11 +219,6 @@ def step_target_logits(hidden, weight, targets, opts: LossOptions, bias=None, ro
     return None
 
 
-def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
-    """Never here: this backend's buffer holds fp32 logits, turned into grad logits."""
-    return False
-
-
 def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
     """Grad logits [rows, V], in place in the buffer that ``row_stats`` filled with
     exp(z - row max): the softmax is that times exp(row max - lse)."""
@@ -285,11 +256,11 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     rounds a row's logits differently in another matrix shape or at another row position (the
     forward's chunks gather the rows with a loss and are planned otherwise), and exp(z - lse)
     turns a rounding of z into the same relative error of p: 1e-3 at |z| ~ 1e4 in fp32. A slice of
-    a sharded vocabulary (``opts.group_name``) holds only part of each row's sum: it takes the
+    a sharded vocabulary (``opts.group``) holds only part of each row's sum: it takes the
     forward's merged lse."""
     logits = _logits(hidden, weight, bias, opts, out=out)
     softcap_grad = _softcap_grad(logits, opts) if opts.has_softcap else None
-    if opts.group_name is not None:  # a slice of the vocabulary: normalised by the merged lse
+    if opts.group is not None:  # a slice of the vocabulary: normalised by the merged lse
         log_probs = logits.sub_(lse[:, None])
         saved_log_probs = log_probs.clone() if entropy_grad is not None else None
         probs = log_probs.exp_()

@@ -15,9 +15,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _kernels as K
-from . import _precompile
+from . import _plan, _precompile
 from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
-from ._settings import current as settings
 
 
 def interpreting() -> bool:
@@ -69,37 +68,25 @@ def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
 _autotuned: dict[tuple, triton.runtime.Autotuner] = {}
 _chosen: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (see _launch_tiles)
 
-# The configuration of both logit kernels on Hopper (sm_90) for 16-bit inputs and 256-column
-# tiles, launched there without autotuning (its choice for the main heads: docs/design.md, "Two
-# logit kernels"). Settings' ``tuned=False`` autotunes there too, to re-derive it.
-TUNED = {(9, 0): (128, 64, 8, 3, True)}  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
-
 _capabilities: dict[torch.device, tuple[int, int]] = {}
 
 
-def _tuned(device: torch.device, block_v: int, element_size: int) -> tuple | None:
-    if element_size != 2 or block_v != 256:
-        return None
+def _capability(device: torch.device) -> tuple[int, int]:
     if device not in _capabilities:
         _capabilities[device] = torch.cuda.get_device_capability(device)
-    return TUNED.get(_capabilities[device])
+    return _capabilities[device]
 
 
 def _tile_kernel(kernel, block_v: int, element_size: int, device: torch.device, key: tuple):
     """(kernel, fixed meta-parameters) to launch ``kernel`` (``K._tile_stats_kernel`` or
-    ``K._tile_grad_kernel``) with: one small tile when interpreting, the forced or the tuned
-    configuration, else the autotuner (one per launch ``key``: the variants' pointers that are
-    None differ in their best configuration) with no fixed ones."""
-    tuning = settings()
-    if interpreting():
-        return kernel, {"BLOCK_N": tuning.block_n, "BLOCK_K": tuning.block_k, "PERSISTENT": tuning.persistent}
-    config = tuning.config or (_tuned(device, block_v, element_size) if tuning.autotune and tuning.tuned else None)
-    if config is not None:  # (BLOCK_N, BLOCK_K, warps, stages, persistent)
-        block_n, block_k, warps, stages, persistent = config
-        return kernel, {"BLOCK_N": block_n, "BLOCK_K": block_k, "PERSISTENT": persistent,
-                        "num_warps": warps, "num_stages": stages}
+    ``K._tile_grad_kernel``) with: the plan's fixed configuration (``_plan.logit_tile_choice``),
+    else the autotuner (one per launch ``key``: the variants' pointers that are None differ in
+    their best configuration) with no fixed ones."""
+    choice = _plan.logit_tile_choice(block_v, element_size, interpreting(), lambda: _capability(device))
+    if choice.fixed is not None:
+        return kernel, choice.fixed
     configs = logit_tile_configs(block_v, element_size)
-    if not tuning.autotune:
+    if choice.first_only:
         configs = configs[:1]
     key = (*key, len(configs))
     if key not in _autotuned:
@@ -108,76 +95,18 @@ def _tile_kernel(kernel, block_v: int, element_size: int, device: torch.device, 
 
 
 def tile_width(dtype: torch.dtype) -> int:
-    """Vocabulary columns per logit tile (BLOCK_V)."""
-    block_v = settings().block_v
-    if block_v is not None:
-        return block_v
-    if interpreting():
-        return 32
-    if dtype == torch.float64:
-        return 64
-    return 128 if dtype == torch.float32 else 256
+    """Vocabulary columns per logit tile (BLOCK_V): the plan's (``_plan.tile_width``)."""
+    return _plan.tile_width(dtype, interpreting())
 
 
-def chunk_rows(n_rows: int, vocab_size: int, dtype: torch.dtype, training: bool, shards: int = 1,
-               spread: bool = True, hidden_size: int = 0, row_block: int = 128) -> int:
-    """Rows per chunk. Training keeps a chunk's logits (rows x V) in a buffer of at most
-    ``buffer_mib`` (768 MiB) and ``chunk_rows`` (1536) rows (``_settings``), and the chunk's whole working
-    set (``chunk_bytes``: the buffer and the hidden-sized blocks alive beside it) within a
-    quarter of the logits of 8192 rows (``working_set_rows``, 2048 rows' worth; so, on a small
-    vocabulary, fewer rows; a step of many chunks may then grow them: ``_chunked``); the forward
-    alone keeps only per-tile statistics and takes up to 4096 rows. With ``spread`` the
-    ``n_rows`` are then spread evenly over the chunks (in whole ``row_block``s: the sweep's rows
-    a tile), so that no small last chunk runs at a loss; without it (the rows to compute are not
-    known yet) the largest chunk. A vocabulary slice of one of ``shards`` ranks takes ``shards``
-    times the rows. A forward's largest chunk is whole ``row_block``s too; training's is the
-    memory's (a multiple of 128)."""
-    tuning = settings()
-    if training:
-        budget = (768 if tuning.buffer_mib is None else tuning.buffer_mib) * 2**20
-        logit_row = vocab_size * (torch.finfo(dtype).bits // 8)
-        by_budget = max(128, budget // logit_row // 128 * 128)
-        share_rows = tuning.working_set_rows  # a quarter of 8192 rows' logits
-        by_share = max(128, share_rows * shards * logit_row
-                       // chunk_bytes(1, vocab_size, dtype, hidden_size, shards) // 128 * 128)
-        most = min((tuning.chunk_rows or 1536) * shards, by_budget, by_share)
-    else:
-        most = (tuning.chunk_rows or 4096) * shards
-        most = max(row_block, most // row_block * row_block)
-    if n_rows <= most:
-        return max(1, n_rows)
-    if not spread:
-        return most
-    per_chunk = triton.cdiv(n_rows, triton.cdiv(n_rows, most))
-    return min(most, triton.cdiv(per_chunk, row_block) * row_block)
-
-
-def chunk_bytes(rows: int, vocab_size: int, dtype: torch.dtype, hidden_size: int, shards: int = 1) -> int:
-    """Bytes of a training chunk of ``rows`` at any time (``chunk_rows``' memory model): its
-    logits' buffer [rows, V] in the inputs' dtype, and beside it H x max(4, 2 x element size)
-    bytes a row (16-bit: the gathered rows and their scaled copy, then that copy alone, then the
-    fp32 grad_hidden block; under vocabulary parallelism the gathered rows stay until
-    grad_weight's product, beside that block: H x (element size + 4))."""
-    element_size = torch.finfo(dtype).bits // 8
-    beside = hidden_size * (max(4, 2 * element_size) if shards == 1 else element_size + 4)
-    return rows * (vocab_size * element_size + beside)
-
-
-def row_block(dtype: torch.dtype, opts: LossOptions, has_bias: bool, training: bool, return_metrics: bool,
-              device: torch.device) -> int:
-    """Rows a tile of the statistics sweeps, in which the chunks are planned: 192 where
-    ``_gluon_stats`` computes them (``_gluon_sweep``: a forward's, or a training step's factored
-    sweep with ``_gluon_training``), 128 (the logit kernel's) elsewhere. A tile's rows past a
-    chunk's end cost as much as the others: Llama-2's 8192 rows, every target counted, spread
-    in 128s took 46 tiles of 192 rows a vocabulary tile, in 192s 43. ``training_row_block``
-    sets a step's (exploration)."""
-    if training:
-        factored = _gluon_training() and factored_gradient(dtype, opts, has_bias)
-        gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device) if factored else None
-        forced = settings().training_row_block
-        return forced if forced is not None else 128 if gluon is None else gluon.BLOCK_N
-    gluon = _gluon_sweep(dtype, opts, has_bias, return_metrics, device)
-    return 128 if gluon is None else gluon.BLOCK_N
+def hardware(device: torch.device) -> _plan.Hardware:
+    """This device's facts for the plan: the interpreter, the programs of a persistent round, the
+    Gluon statistics kernel's tile where it runs here (Hopper, a Triton whose Gluon it suits)."""
+    if interpreting() or device.type != "cuda":
+        return _plan.Hardware("triton", interpreting=interpreting(), programs=4 if interpreting() else 0)
+    gluon = _gluon_stats_module()
+    tile = (gluon.BLOCK_N, gluon.BLOCK_V.value) if gluon is not None and gluon.device_applies(device) else None
+    return _plan.Hardware("triton", programs=_max_programs(device), gluon_tile=tile, capability=_capability(device))
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -191,7 +120,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) can move these 2-D tensors: Hopper or newer, rows
     contiguous and 16-byte aligned."""
-    if not settings().tma or tensors[0].element_size() == 8:  # float64: plain loads
+    if not _plan.uses_tma(tensors[0].element_size()):  # (float64: plain loads)
         return False
     if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
@@ -220,12 +149,6 @@ def precompile(kind: str, device: torch.device) -> None:
         _precompile.warm(kind, device)
 
 
-def sweep_tiles(vocab_size: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int] | None:
-    """(vocabulary tiles a row block, programs a round) of a persistent sweep over this
-    weight, for the chunk plan (``_chunked._fullest_chunk``)."""
-    return triton.cdiv(vocab_size, tile_width(dtype)), _max_programs(device)
-
-
 # ---- launches ---------------------------------------------------------------------------
 class TileState(NamedTuple):
     """What a chunk's sweep leaves for its gradient: each (row, tile)'s max [rows, num_tiles]
@@ -246,21 +169,9 @@ def _smoothing_and_z_loss(opts: LossOptions) -> tuple:
             float(opts.z_loss_scale) if opts.has_z_loss else None)
 
 
-L2_HIDDEN_BYTES = 32 * 2**20  # the hidden rows a sweep keeps in L2: 4096 rows of H = 4096 in 16 bits (50 MB L2)
-
-
 def _group_rows(hidden: torch.Tensor) -> int:
-    """Rows of a tile group of the logit kernel (``group_rows``, exploration): 4096, the
-    forward's chunk, or fewer where their hidden rows pass L2_HIDDEN_BYTES, in whole 128-row
-    blocks. On the H200 (docs/design.md) one launch over 8192 rows in one group took 3-6%
-    more time than in groups of 4096 (the hidden rows fall out of L2), and a group of Gemma-2's
-    7405 rows (34 MB) as much. Training chunks are one group; the forward's chunks under
-    vocabulary parallelism (4096 rows a rank) and of fp32 inputs are several."""
-    forced = settings().group_rows
-    if forced is not None:
-        return forced
-    row_bytes = hidden.shape[1] * hidden.element_size()
-    return max(128, min(4096, L2_HIDDEN_BYTES // max(row_bytes, 1) // 128 * 128))
+    """Rows of a tile group of the logit kernel: the plan's (``_plan.group_rows``)."""
+    return _plan.group_rows(hidden.shape[1], hidden.element_size())
 
 
 def _unit_columns(t: torch.Tensor) -> bool:
@@ -348,8 +259,9 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     factored = shifted_out is not None and row_ref is not None
     gluon = None
     plain_stats = shifted_out is None and not pick_target and row_ref is None and not (logit_sum or sum_sq)
-    if plain_stats or factored and _gluon_training():
-        gluon = _gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics, device)
+    if (plain_stats or factored) and _plan.gluon_sweep(hidden.dtype, opts, bias is not None, return_metrics,
+                                                       hardware(device), factored=factored):
+        gluon = _gluon_stats_module()
     buffer = shifted_out if factored else None  # the statistics alone store none
     if gluon is not None and gluon.applies(hidden, weight, buffer) and _gluon_tile_stats(
             gluon, hidden, weight, tile_stats[0], tile_stats[1], device, row_ref, loss_grad, buffer):
@@ -364,30 +276,6 @@ def _scale_and_cap(opts: LossOptions) -> tuple:
     """(logit_scale, softcap) as the logit kernels take them: None for a scale of 1, no softcap."""
     scale = float(opts.logit_scale)
     return None if scale == 1.0 else scale, float(opts.softcap) if opts.has_softcap else None
-
-
-def _gluon_training() -> bool:
-    """Whether the factored training sweep takes ``_gluon_stats`` where it applies
-    (``gluon_training``, default True: a step 1-2% faster at the power cap on large vocabularies,
-    docs/design.md; ``gluon`` False turns off both sweeps)."""
-    return settings().gluon_training
-
-
-def _gluon_sweep(dtype: torch.dtype, opts: LossOptions, has_bias: bool, return_metrics: bool,
-                 device: torch.device):
-    """``_gluon_stats`` where it computes a statistics sweep (the statistics alone, or the factored training
-    sweep) of inputs of ``dtype`` on ``device``, else None: 16-bit inputs on Hopper, the
-    logits z = h W^T alone (no bias, logit scale, softcap or smoothing's logit sum; z-loss enters
-    only the loss), no metrics, the target logit from the tensor-core product and the logit
-    kernel's 256-column tiles."""
-    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cuda" or return_metrics or has_bias:
-        return None
-    if float(opts.logit_scale) != 1.0 or opts.has_softcap or opts.has_smoothing:
-        return None
-    gluon = _gluon_stats_module()
-    if gluon is None or tile_width(dtype) != gluon.BLOCK_V.value or not gluon.device_applies(device):
-        return None
-    return gluon
 
 
 _gluon_stats = None
@@ -601,16 +489,6 @@ def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, en
     return buffer
 
 
-def factored_gradient(dtype: torch.dtype, opts: LossOptions, has_bias: bool) -> bool:
-    """Whether a training chunk can keep exponentials and factor its gradient (``row_factors``):
-    bf16 or fp32 (fp16's range cannot hold them), and no bias, softcap, label smoothing or
-    z-loss (whose gradients are not one factor per row times the exponentials)."""
-    if not settings().factored:
-        return False
-    return (dtype in (torch.bfloat16, torch.float32) and not has_bias and not opts.has_softcap
-            and not opts.has_smoothing and not opts.has_z_loss)
-
-
 def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
     """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
     int64 [1], d loss / d loss_i [N] fp32 of the ordered rows: 1, or 1 / count for a mean)."""
@@ -633,12 +511,10 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
 
 
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
-    """Whether a statistics sweep without the factored buffer leaves each row's target logit to
-    ``_picked_logit_dot_kernel`` instead of picking it in its tiles: the same value (the same
-    tensor-core sums, then bias, scale and softcap), without the pick's compare and select on
-    every logit (1.6-4.5% of a forward, docs/design.md). Not for fp64 inputs (the product
-    sums in fp32)."""
-    return hidden.dtype != torch.float64
+    """Whether the statistics sweeps leave each row's target logit to ``_picked_logit_dot_kernel``
+    (``_plan.target_logit_by_product``): the same value, without the pick's compare and select on
+    every logit."""
+    return _plan.target_logit_by_product(hidden.dtype, _plan.Hardware("triton"))
 
 
 def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,

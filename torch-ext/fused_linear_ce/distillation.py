@@ -29,17 +29,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _torch_backend
-from ._chunked import _cdiv, _Gradients, _mm_f32, backend_for, weight_group
+from . import _plan, _torch_backend
+from ._chunked import _cdiv, backend_for
 from ._dtensor import has_dtensor
+from ._gradients import Gradients, mm_f32
 from ._options import accumulation_dtype
-from ._settings import current as settings
 from .interface import _autocast, _number
 
 __all__ = ["fused_linear_divergence", "TrlDivergence"]
 
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2  # as in _divergence_kernels
-BUFFER_MIB = 512  # the two fp32 chunk buffers together, unless settings().buffer_mib says otherwise
 
 
 class _Spec(NamedTuple):
@@ -65,7 +64,7 @@ def _logits(hidden: Tensor, weight: Tensor, acc: torch.dtype) -> Tensor:
     """hidden @ weight.T [rows, V], contiguous, in ``acc`` (fp32: 16-bit products summed in fp32)."""
     if acc == torch.float64:
         return torch.mm(hidden.double(), weight.double().t())
-    return _mm_f32(hidden, weight.t())
+    return mm_f32(hidden, weight.t())
 
 
 def _final(logits: Tensor, bias: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -105,26 +104,6 @@ def _torch_rows(student_logits, teacher_logits, grad_logits, student_bias, teach
     return divergence, entropy
 
 
-def _chunk_rows(n_rows: int, vocab_size: int, hidden_size: int, acc: torch.dtype, dtype: torch.dtype,
-                training: bool) -> int:
-    """Rows per chunk: the two logit buffers within BUFFER_MIB (``buffer_mib``), at most
-    ``chunk_rows``; a 16-bit training step of more than ``weight_group`` chunks takes that many
-    larger ones where their buffers are smaller than the fp32 sum of grad_weight they then spare
-    (``_chunked._Gradients``). The rows are spread evenly over the chunks."""
-    tuning = settings()
-    row_bytes = 2 * vocab_size * acc.itemsize
-    most = max(1, ((tuning.buffer_mib or BUFFER_MIB) * 2**20) // row_bytes)
-    most = most // 128 * 128 if most >= 128 else most
-    group = weight_group(dtype)
-    if training and group is not None and _cdiv(n_rows, most) > group:
-        grown = _cdiv(_cdiv(n_rows, group), 128) * 128
-        if grown * row_bytes <= vocab_size * hidden_size * 4 and grown * vocab_size < 2**31:
-            most = grown
-    if tuning.chunk_rows is not None:
-        most = min(most, tuning.chunk_rows)
-    return _cdiv(n_rows, _cdiv(n_rows, most)) if n_rows else 1
-
-
 def _sweep(student, teacher, spec: _Spec, want: tuple[bool, bool, bool], grad_scale: float,
            row_grads: Tensor | None = None):
     """(divergence, entropy, grad_hidden, grad_weight, grad_bias) of the rows of ``student``
@@ -140,9 +119,11 @@ def _sweep(student, teacher, spec: _Spec, want: tuple[bool, bool, bool], grad_sc
 
         if interpreted and not kernels.interpreted():  # (decorated before TRITON_INTERPRET=1 was set)
             backend = _torch_backend
-    chunk = _chunk_rows(n_rows, vocab_size, hidden.shape[1], acc, hidden.dtype, any(want))
+    chunk = _plan.divergence_chunk_rows(n_rows, vocab_size, hidden.shape[1], acc, hidden.dtype, any(want))
     n_chunks = _cdiv(n_rows, chunk)
-    gradients = _Gradients(hidden, vocab_size, want, chunk, n_chunks, None, None) if any(want) else None
+    fp32_sum = _plan.fp32_from_start(vocab_size, hidden.shape[1], hidden.element_size(), chunk)
+    gradients = (Gradients(hidden, vocab_size, want, n_chunks, None, None, fp32_sum, _plan.weight_group(hidden.dtype))
+                 if any(want) else None)
     divergence = hidden.new_empty(n_rows, dtype=acc)
     entropy = hidden.new_empty(n_rows, dtype=acc)
     if row_grads is not None:
@@ -175,8 +156,9 @@ def _sweep(student, teacher, spec: _Spec, want: tuple[bool, bool, bool], grad_sc
 
 
 # Whether the last backward found its upstream gradient equal on every row: then the forward
-# makes the gradients in its sweep; otherwise the backward recomputes them.
-_uniform_upstream = True
+# makes the gradients in its sweep (``_plan.divergence_grads_in_forward``); otherwise the
+# backward recomputes them.
+SPECULATION = _plan.Speculation()
 
 
 class _FusedDivergence(torch.autograd.Function):
@@ -189,9 +171,10 @@ class _FusedDivergence(torch.autograd.Function):
         n_rows = hidden.shape[0]
         ctx.spec, ctx.want, ctx.n_rows = spec, want, n_rows
         ctx.grad_scale = float(torch.tensor(1.0 / max(n_rows, 1), dtype=torch.float32))  # PyTorch's mean
-        speculate = any(want) and _uniform_upstream and n_rows > 0
+        in_forward = _plan.divergence_grads_in_forward(want, n_rows, SPECULATION)
+        speculate = any(in_forward)
         divergence, entropy, *grads = _sweep((hidden, weight, bias), (teacher_hidden, teacher_weight, teacher_bias),
-                                             spec, want if speculate else (False,) * 3, ctx.grad_scale)
+                                             spec, in_forward, ctx.grad_scale)
         ctx.grads = grads if speculate else None
         ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
         ctx.mark_non_differentiable(entropy)
@@ -199,7 +182,6 @@ class _FusedDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_divergence, grad_entropy):
-        global _uniform_upstream
         nones = (None,) * 4
         hidden, weight, bias, *teacher = ctx.saved_tensors
         if grad_divergence is None or ctx.n_rows == 0:
@@ -212,7 +194,7 @@ class _FusedDivergence(torch.autograd.Function):
             grad_hidden.mul_((grad_divergence / ctx.grad_scale).unsqueeze(-1).to(grad_hidden.dtype))
             return (grad_hidden, None, None, *nones)
         low, high = torch.stack(torch.aminmax(grad_divergence)).tolist()
-        _uniform_upstream = low == high
+        SPECULATION.found("", low == high)
         if speculated is not None and low == high:
             ratio = low / ctx.grad_scale  # 1 for a mean over the N rows: no pass over the gradients
             for g in speculated:

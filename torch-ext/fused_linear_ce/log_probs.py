@@ -33,8 +33,9 @@ from torch import Tensor
 
 from ._chunked import backend_for
 from ._dtensor import has_dtensor
-from ._ops import speculates, token_forward
-from ._options import LossOptions
+from ._ops import TOKEN_SPECULATION, token_forward
+from ._options import LossOptions, Request
+from ._plan import token_grads_in_forward
 from .interface import (
     _autocast,
     _check_inputs,
@@ -155,11 +156,12 @@ def fused_linear_log_probs(
     logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
-    in_forward = (any(needs) and not (logit_sum or sum_sq) and _speculation_allowed(hidden)
-                  and (speculates(key) if grad_in_forward is None else bool(grad_in_forward)))
-    _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward(
-        hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), *options.op_args(),
-        key, metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))
+    in_forward = token_grads_in_forward(needs, not (logit_sum or sum_sq) and _speculation_allowed(hidden),
+                                        grad_in_forward, TOKEN_SPECULATION, key)
+    request = Request(options, "none", metrics, *in_forward, outputs=key, logit_sum=logit_sum, sum_sq=sum_sq)
+    out = token_forward(hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), request)
+    log_probs, entropy, is_top1, mean_logits, log_sum_sq = (out.log_probs, out.entropy, out.is_top1,
+                                                            out.mean_logits, out.log_sum_sq)
     if target_check is not None:
         _finish_target_check(target_check, targets_1d, vocab_size, ignore_index)
     per_token = dict(log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits,
