@@ -914,7 +914,8 @@ def main():
             info = {"row": row, "inputs": kind, "hidden_size": hidden_size, "vocab_size": vocab_size,
                     "n_tokens": n_tokens, "dtype": dtype, "ignored_share": ignore_fraction(row), "n_valid": n_valid,
                     "mean_entropy": metrics["entropy_sum"].item() / n_valid,
-                    "top1_accuracy": metrics["num_correct_tokens"].item() / n_valid}
+                    "top1_accuracy": metrics["num_correct_tokens"].item() / n_valid,
+                    "plan": our_plans(flce, hidden, weight)}
             flops = 2 * n_tokens * vocab_size * hidden_size
             entries = {}
             for name, fn in methods:
@@ -954,6 +955,16 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print_table(result)
+
+
+def our_plans(flce, hidden, weight) -> dict:
+    """The plans (``_plan.Plan.as_dict``) that this kernel's training step (gradients of hidden
+    and weight) and forward take on a row's inputs, decided as a call decides them (no kernel runs)."""
+    chunked, options = (sys.modules[f"{flce.__name__}.{name}"] for name in ("_chunked", "_options"))
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    step = options.Request(grad_hidden=True, grad_weight=True)
+    return {name: chunked.plan_of(hidden_2d, weight, None, request).as_dict()
+            for name, request in (("step", step), ("forward", options.Request()))}
 
 
 def _revision(root: str) -> str | None:

@@ -9,7 +9,6 @@ the same all-reduces timed alone.
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import sys
@@ -68,9 +67,8 @@ def throughput(flce, rank: int, world: int) -> dict:
     # (asynchronous) in bf16.
     package = flce.__name__
     shard = sys.modules[package + "._distributed"].Shard(dist.group.WORLD, start, vocab)
-    backend = importlib.import_module(package + "._triton_backend")
-    chunk = sys.modules[package + "._chunked"]._plan_chunk(
-        backend, n_tokens, sizes[rank], hidden.shape[1], hidden.dtype, True, shard)
+    chunk = sys.modules[package + "._plan"].plan_chunk(
+        "triton", n_tokens, shard.planning_vocab_size, hidden.shape[1], hidden.dtype, True, shard.world_size)
     starts = range(0, n_tokens, chunk)
     keys = [torch.zeros(min(chunk, n_tokens - s), dtype=torch.int64, device="cuda") for s in starts]
     packed = [torch.zeros(min(chunk, n_tokens - s), 5, dtype=torch.float32, device="cuda") for s in starts]

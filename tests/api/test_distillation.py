@@ -158,7 +158,7 @@ def test_frozen_head_any_upstream(flce, tune, path):
     steps = [("mean", mean), ("masked", lambda d: (d * weights.to(d)).sum()),
              ("masked again", lambda d: d @ weights.to(d))]
     run_and_check(flce, student, teacher, expected, leaves, torch.float32, dict(beta=0.5), steps)
-    assert submodule(flce, "distillation")._uniform_upstream  # no backward recomputed
+    assert submodule(flce, "distillation").SPECULATION.speculates()  # no backward recomputed
 
 
 def test_leading_shape_no_grad_and_the_teacher_untouched(flce, path):
@@ -220,7 +220,7 @@ def test_chunks_of_the_llama3_head(flce):
     """A bf16 step of 8192 rows on the Llama-3 head takes 8 chunks of 1024 rows (two fp32 buffers
     of 1 GiB, half the fp32 sum of grad_weight that 16 chunks of 512 would need); an fp32 one
     takes chunks of 512 rows (its grad_weight is its own fp32 sum), within 512 MiB."""
-    chunk_rows = submodule(flce, "distillation")._chunk_rows
+    chunk_rows = submodule(flce, "_plan").divergence_chunk_rows
     assert chunk_rows(8192, 128256, 4096, torch.float32, torch.bfloat16, True) == 1024
     assert chunk_rows(8192, 128256, 4096, torch.float32, torch.float32, True) == 512
     assert chunk_rows(8192, 128256, 4096, torch.float32, torch.bfloat16, False) == 512

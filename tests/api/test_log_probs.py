@@ -160,7 +160,7 @@ def test_sft_gradients_from_the_sweep(flce, monkeypatch, tune, dtype, normaliser
     n = {"rows": (targets != -100).sum(), "sum": 1, "other": 7}[normaliser]
     outputs = ("log_probs", "entropy", "is_top1")
     ops = submodule(flce, "_ops")
-    ops._uniform_grads.pop("entropy,is_top1,log_probs", None)  # as a fresh process: no earlier backward's verdict
+    ops.TOKEN_SPECULATION.forget("entropy,is_top1,log_probs")  # as a fresh process: no earlier backward's verdict
     scalings = []
     scale_in_place = ops._scale_in_place
     monkeypatch.setattr(ops, "_scale_in_place", lambda x, scale: scalings.append(x.shape) or scale_in_place(x, scale))
@@ -169,7 +169,7 @@ def test_sft_gradients_from_the_sweep(flce, monkeypatch, tune, dtype, normaliser
     for step in range(2):
         got = _grads(lambda: -flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.sum()
                      / n, (hidden, weight))
-        assert ops.speculates("entropy,is_top1,log_probs")
+        assert ops.TOKEN_SPECULATION.speculates("entropy,is_top1,log_probs")
         assert scalings == ([] if normaliser == "rows" else [hidden.shape, weight.shape]), scalings
         scalings.clear()
         for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
@@ -218,16 +218,16 @@ def test_unequal_weights_after_the_sweep_recompute(flce):
     hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=7)
     ops = submodule(flce, "_ops")
     outputs = ("log_probs",)
-    ops._uniform_grads.pop("log_probs", None)
+    ops.TOKEN_SPECULATION.forget("log_probs")
     weights = torch.linspace(-1.0, 2.0, 24, dtype=torch.float64).to(DEVICE)
     got = _grads(lambda: (flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs).log_probs.double()
                           * weights).sum(), (hidden, weight))
-    assert not ops.speculates("log_probs")
+    assert not ops.TOKEN_SPECULATION.speculates("log_probs")
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     (reference(h64, w64, targets)["log_probs"] * weights).sum().backward()
     for name, g, e in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), strict=True):
         assert_rel(g, e, tolerance(torch.float32, "grad"), name)
-    ops._uniform_grads.pop("log_probs", None)
+    ops.TOKEN_SPECULATION.forget("log_probs")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -239,10 +239,10 @@ def test_outputs_bit_identical_with_or_without_gradients(flce, tune, dtype, grad
         tune(chunk_rows=8, keep_mib=1, keep_rows=13)
     hidden, weight, targets, _ = make_inputs(40, 32, 97, dtype, seed=8, ignore=0.2)
     outputs = ("log_probs", "entropy", "is_top1")
-    submodule(flce, "_ops")._uniform_grads.pop("entropy,is_top1,log_probs", None)  # the sweep computes gradients
+    submodule(flce, "_ops").TOKEN_SPECULATION.forget("entropy,is_top1,log_probs")  # the sweep computes gradients
     with torch.no_grad():
         plain = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs)
-    assert submodule(flce, "_ops").speculates("entropy,is_top1,log_probs")
+    assert submodule(flce, "_ops").TOKEN_SPECULATION.speculates("entropy,is_top1,log_probs")
     trained = flce.fused_linear_log_probs(hidden, weight, targets, outputs=outputs, grad_in_forward=grad_in_forward)
     assert trained.log_probs.requires_grad and trained.entropy.requires_grad
     for name in outputs:
@@ -362,11 +362,10 @@ def test_the_sweep_re_arms_after_unequal_weights(flce, monkeypatch):
     per call, whatever the verdict. Every step's gradients match float64 autograd."""
     hidden, weight, targets, _ = make_inputs(24, 16, 41, torch.float32, seed=14, ignore=0.2)
     ops, chunked = submodule(flce, "_ops"), submodule(flce, "_chunked")
-    ops._uniform_grads.pop("log_probs", None)
-    ops._pending.pop("log_probs", None)
+    ops.TOKEN_SPECULATION.forget("log_probs")
     in_sweep, backwards = [], []
     forward, backward = chunked.forward, chunked.backward
-    monkeypatch.setattr(chunked, "forward", lambda *a, **k: in_sweep.append(any(a[6])) or forward(*a, **k))
+    monkeypatch.setattr(chunked, "forward", lambda *a, **k: in_sweep.append(any(a[4].grads)) or forward(*a, **k))
     monkeypatch.setattr(chunked, "backward", lambda *a, **k: backwards.append(len(in_sweep)) or backward(*a, **k))
     n = (targets != -100).sum()
     weights = torch.linspace(-1.0, 2.0, 24, dtype=torch.float64).to(DEVICE)
@@ -385,8 +384,7 @@ def test_the_sweep_re_arms_after_unequal_weights(flce, monkeypatch):
             assert_rel(g, e, tolerance(torch.float32, "grad"), f"step {step} ({kind}) {name}")
     assert in_sweep == [True, True, True, True, False, True, False, True]
     assert backwards == [4, 5, 7, 8]  # the backwards of calls 4, 5, 7 and 8 (1-based) computed their gradients
-    ops._uniform_grads.pop("log_probs", None)
-    ops._pending.pop("log_probs", None)
+    ops.TOKEN_SPECULATION.forget("log_probs")
 
 
 @pytest.mark.parametrize("grad_in_forward", [None, False])
@@ -395,7 +393,7 @@ def test_empty_batch_gives_zero_gradients(flce, path, grad_in_forward):
     autograd does, on both paths, whether the sweep computes gradients or the backward does."""
     hidden, weight, _, _ = make_inputs(0, 8, 16, torch.float32, seed=15, device=path.device)
     targets = torch.zeros(0, dtype=torch.long, device=path.device)
-    submodule(flce, "_ops")._uniform_grads.pop("entropy,log_probs", None)
+    submodule(flce, "_ops").TOKEN_SPECULATION.forget("entropy,log_probs")
     out = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "entropy"),
                                       grad_in_forward=grad_in_forward)
     (-out.log_probs.sum() + 0.01 * out.entropy.sum()).backward()

@@ -150,13 +150,13 @@ def test_a_step_of_grown_chunks_keeps_no_fp32_sum(flce, monkeypatch, tune, dtype
     recomputing backward, which plans its chunks the same way."""
     tune(buffer_mib=0, weight_group=2, weight_fp32_mib=0, chunk_rows=None)
     chunked = submodule(flce, "_chunked")
-    sums, original = [], chunked._Gradients._add_weight_chunk
+    sums, original = [], chunked.Gradients._add_weight_chunk
 
     def spy(self, lhs, rhs):  # (the chunk's rows, whether an fp32 sum exists once it is added)
         original(self, lhs, rhs)
         sums.append((lhs.shape[1], self.weight_sum is not None))
 
-    monkeypatch.setattr(chunked._Gradients, "_add_weight_chunk", spy)
+    monkeypatch.setattr(chunked.Gradients, "_add_weight_chunk", spy)
     hidden, weight, targets, _ = make_inputs(300, 192, 256, dtype, seed=300, ignore=0.1)
     out = flce.fused_linear_cross_entropy(hidden, weight, targets, return_lse=return_lse)
     loss = out[0] if return_lse else out
@@ -989,7 +989,7 @@ def test_a_factored_chunk_drops_its_gathered_rows_before_grad_hidden(flce, tune,
     chunked = submodule(flce, "_chunked")
     tune(chunk_rows=8)
     gathered, alive_at_grad_hidden = [], []
-    take, add_hidden_grad = chunked._RowOrder.take, chunked._Gradients.add_hidden_grad
+    take, add_hidden_grad = chunked.RowOrder.take, chunked.Gradients.add_hidden_grad
 
     def recording_take(self, t, start, end):
         rows = take(self, t, start, end)
@@ -1001,8 +1001,8 @@ def test_a_factored_chunk_drops_its_gathered_rows_before_grad_hidden(flce, tune,
         alive_at_grad_hidden.append(gathered[-1]() is not None if gathered else None)
         return add_hidden_grad(self, *args, **kwargs)
 
-    monkeypatch.setattr(chunked._RowOrder, "take", recording_take)
-    monkeypatch.setattr(chunked._Gradients, "add_hidden_grad", checking_add_hidden_grad)
+    monkeypatch.setattr(chunked.RowOrder, "take", recording_take)
+    monkeypatch.setattr(chunked.Gradients, "add_hidden_grad", checking_add_hidden_grad)
     hidden, weight, targets, _ = make_inputs(37, H, V, torch.float32, seed=91, ignore=0.3)
     flce.fused_linear_cross_entropy(hidden, weight, targets).backward()
     assert gathered and len(alive_at_grad_hidden) > 1

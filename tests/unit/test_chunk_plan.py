@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 
 class _Count:
-    """Stands for a ``_RowOrder`` whose count of rows with a loss is ``count``."""
+    """Stands for a ``_row_order.RowOrder`` whose count of rows with a loss is ``count``."""
 
     def __init__(self, count: int):
         self.count = count
