@@ -1,4 +1,5 @@
-"""The kernel's tuning values: one frozen ``Settings``, read by every module through ``current()``.
+"""The kernel's tuning values: one frozen ``Settings``, read through ``current()`` by the plan
+(``_plan``), which decides every choice of a call from them.
 
 Five environment variables set values a user may need, read here only, once (the first call
 that asks; ``reset()`` makes the next one read them again), and checked:
@@ -68,7 +69,7 @@ class Settings:
     """Whether the logit kernels are autotuned on a GPU; False: their first configuration only."""
 
     tuned: bool = True
-    """Whether a GPU with a shipped configuration (``_triton_backend.TUNED``: sm_90) takes it instead
+    """Whether a GPU with a shipped configuration (``_plan.TUNED``: sm_90) takes it instead
     of the autotuner; False: autotuned there too (to re-derive the table)."""
 
     precompile: bool = True

@@ -24,6 +24,7 @@ from . import _torch_backend
 from ._options import LossOptions, Request
 from ._settings import Settings
 from ._settings import current as settings
+from ._speculation import Speculation
 
 
 def tuning() -> Settings:
@@ -476,10 +477,6 @@ class Plan:
     keep_rows: int | None = None  # the kept pipeline's cap on rows
     notes: tuple[str, ...] = field(default=(), compare=False)
 
-    @property
-    def training(self) -> bool:
-        return self.pipeline in ("factored", "stored", "recompute") or any(self.grads_in_forward)
-
     def spans(self, n_rows: int, row_order):
         """The chunks' [start, end) of this plan (``spans``)."""
         return spans(n_rows, self.chunk_rows, row_order, self.first_rows, self.row_block, self.sweep_tiles)
@@ -529,9 +526,8 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     width = tile_width(dtype, hardware.interpreting) if backend == "triton" else None
     skips = tuning().skip_ignored and not shape.capturing and n_rows > 0
     if backward:
-        chunk = plan_chunk(backend, n_rows, planning_vocab, shape.hidden_size, dtype, True, shape.shards,
-                           weight_grad=grads[1])
         planned = plan_chunk(backend, n_rows, planning_vocab, shape.hidden_size, dtype, True, shape.shards)
+        chunk = _grown(backend, grads[1], n_rows, planned, planning_vocab, shape, 128)
         n_chunks = _cdiv(n_rows, chunk)
         fp32 = fp32_from_start(shape.vocab_size, shape.hidden_size, shape.element_size, chunk)
         return Plan(
@@ -548,10 +544,9 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     factorable = factored_gradient(dtype, opts, shape.has_bias, hardware)
     factored = training and factorable
     block = 128 if sharded else row_block(dtype, opts, shape.has_bias, training, request.return_metrics, hardware)
-    chunk = plan_chunk(backend, n_rows, planning_vocab, shape.hidden_size, dtype, training, shape.shards,
-                       spread=not ordered, row_block=block, weight_grad=grads[1])
     planned = plan_chunk(backend, n_rows, planning_vocab, shape.hidden_size, dtype, training, shape.shards,
                          spread=not ordered, row_block=block)
+    chunk = _grown(backend, training and grads[1], n_rows, planned, planning_vocab, shape, block)
     # A forward's chunks sized to fill its sweep's rounds (training's take the memory's cap; the
     # ranks of a vocabulary split plan the same chunks, whatever their slice's tiles)
     tiles = None if training or sharded else sweep_tiles(shape.vocab_size, dtype, hardware)
@@ -583,6 +578,14 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         notes=(f"gradients of the {'mean' if tokens else request.reduction}",) if training else ())
 
 
+def _grown(backend: str, weight_grad: bool, n_rows: int, chunk: int, vocab_size: int, shape: Shape,
+           block: int) -> int:
+    """A training step's planned ``chunk``, grown where it sums grad_weight (``plan_chunk``'s rule)."""
+    if not (weight_grad and backend == "triton"):
+        return chunk
+    return grown_chunk(n_rows, chunk, vocab_size, shape.hidden_size, shape.dtype, shape.shards, block)
+
+
 def _weight_sum(weight_grad: bool, shape: Shape, n_chunks: int, fp32: bool) -> str:
     """How grad_weight is summed over the chunks (``_gradients.Gradients``)."""
     if not weight_grad:
@@ -611,52 +614,6 @@ def _sweep_kernel(request: Request, shape: Shape, hardware: Hardware, pipeline: 
 
 
 # ---- the gradients made in the forward -----------------------------------------------------------
-class Speculation:
-    """What the last backward of a kind of call found: whether its upstream gradient was one
-    value on every row (with a target), so that the gradients made in the forward's sweep, scaled,
-    are exact. Held by the op layer (one per kind: the per-token outputs, keyed by the outputs
-    asked for, ``"entropy,log_probs"``; the divergence, one key) and read by ``grads_in_forward``.
-
-    The re-arming rules: a key never seen speculates. A backward that took the sweep's gradients
-    records its verdict (``found``). One that did not still checks its weights while the key is off
-    (``recheck``: one small launch, its result copied to the host behind the work queued, read by
-    the next ``speculates``), so that [sft, sft, rl, sft, sft] makes the gradients in the sweeps of
-    calls 1, 2, 3 and 5 (call 3's backward finds them unequal, call 4's equal again)."""
-
-    def __init__(self):
-        self._uniform: dict[str, bool] = {}
-        self._pending: dict[str, tuple] = {}  # key -> (host flag [1], ready event or None)
-
-    def speculates(self, key: str = "") -> bool:
-        """Whether the next forward of ``key`` makes its gradients in the sweep: unless its last
-        backward found unequal weights (a pending check is read first)."""
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            flag, ready = pending
-            if ready is not None:
-                ready.synchronize()  # (long done: queued in the last backward)
-            self._uniform[key] = bool(flag[0] == 1.0)
-        return self._uniform.get(key, True)
-
-    def off(self, key: str = "") -> bool:
-        """Whether the last backward of ``key`` found unequal weights (its forwards recompute)."""
-        return self._uniform.get(key) is False
-
-    def found(self, key: str, uniform: bool) -> None:
-        """A backward's verdict on its upstream gradient."""
-        self._uniform[key] = bool(uniform)
-
-    def recheck(self, key: str, host_flag) -> None:
-        """A check queued by a backward that did not take the sweep's gradients: (host flag [1],
-        ready event or None), 1.0 where the weights were equal; read by the next ``speculates``."""
-        self._pending[key] = host_flag
-
-    def forget(self, key: str = "") -> None:
-        """Back to a fresh process's state for ``key`` (no backward seen)."""
-        self._uniform.pop(key, None)
-        self._pending.pop(key, None)
-
-
 def loss_grads_in_forward(needs, reduction: str, return_lse: bool, dtype: torch.dtype, class_weight: bool,
                           label_smoothing: float, z_loss_scale: float) -> tuple[bool, bool, bool]:
     """Which of the loss's gradients ``needs`` (hidden, weight, bias) its forward makes in the sweep

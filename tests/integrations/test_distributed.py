@@ -61,9 +61,9 @@ def _worker(rank, world, store, error_file):
             # (training, case 1), or the chunks' statistics merge once (no gradient sweep, case 2)
             with submodule(flce, "_settings").override(chunk_rows=4 if case_index >= 1 else 4096):
                 if kernels and case_index > 0:  # the factored path is what this case is for
-                    triton_backend = submodule(flce, "_triton_backend")
-                    assert triton_backend.factored_gradient(torch.float32, submodule(flce, "_options").LossOptions(),
-                                                            False)
+                    hardware = submodule(flce, "_triton_backend").hardware(torch.device("cpu"))
+                    assert submodule(flce, "_plan").factored_gradient(
+                        torch.float32, submodule(flce, "_options").LossOptions(), False, hardware)
                 _check_case(flce, rank, world, case)
         os.environ["TRITON_INTERPRET"] = "0"
         _check_metrics_bit_identity(flce, rank, world)
