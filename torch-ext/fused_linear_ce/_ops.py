@@ -289,7 +289,8 @@ def _setup(ctx, tensors: tuple, request: Request, output: LossOutputs, num_input
     """The autograd context of a loss forward of ``tensors`` (hidden, weight, targets, bias,
     class_weight) under ``request``, for either form of the call (operator or eager)."""
     hidden, weight, targets, bias, class_weight = tensors
-    ctx.mark_non_differentiable(*output[2:])
+    ctx.mark_non_differentiable(output.num_correct, output.entropy_sum, output.grad_hidden, output.grad_weight,
+                                output.grad_bias, output.prediction, output.correct, output.entropy)
     # Unused outputs get None, not zeros: materialising a zero grad_weight-sized tensor
     # would cost V x H memory and a fill.
     ctx.set_materialize_grads(False)
@@ -311,7 +312,9 @@ def _setup(ctx, tensors: tuple, request: Request, output: LossOutputs, num_input
 
 
 def _setup_context(ctx, inputs, output):
-    _setup(ctx, inputs[:5], Request.decode(inputs[5:]), LossOutputs(*output), len(inputs))
+    hidden, weight, targets, bias, class_weight, *encoded = inputs
+    _setup(ctx, (hidden, weight, targets, bias, class_weight), Request.decode(encoded), LossOutputs(*output),
+           len(inputs))
 
 
 def _backward(ctx, loss_grad, lse_grad, *unused):
@@ -352,9 +355,10 @@ class _EagerForward(torch.autograd.Function):
     has just synchronised."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, class_weight, request):
-        output = _forward_outputs(hidden, weight, targets, bias, class_weight, request)
-        _setup(ctx, (hidden, weight, targets, bias, class_weight), request, output, 6)
+    def forward(ctx, *inputs):
+        *tensors, request = inputs
+        output = _forward_outputs(*tensors, request)
+        _setup(ctx, tensors, request, output, len(inputs))
         return tuple(output)
 
     backward = staticmethod(_backward)
@@ -388,7 +392,7 @@ class FunctorchLoss(torch.autograd.Function):
         hidden, weight, targets, bias, class_weight, request = inputs
         loss, lse, *rest = output
         ctx.mark_non_differentiable(*rest)
-        ctx.request, ctx.has_bias = request, bias is not None
+        ctx.request, ctx.has_bias, ctx.num_inputs = request, bias is not None, len(inputs)
         ctx.save_for_backward(hidden, weight, targets, bias, class_weight, lse)
 
     @staticmethod
@@ -399,7 +403,7 @@ class FunctorchLoss(torch.autograd.Function):
         with torch.no_grad():
             grads = _recomputed_grads(saved, ctx.request, loss_grad, lse_grad, want)
         grads = _first_order_only(grads, anchors=(saved[0], saved[1], saved[3]))
-        return _input_grads(6, grads)
+        return _input_grads(ctx.num_inputs, grads)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -517,7 +521,8 @@ def _recheck_weights(key: str, log_prob_grad: Tensor, targets: Tensor, ignore_in
 def _token_setup(ctx, tensors: tuple, request: Request, output: TokenOutputs, num_inputs: int) -> None:
     """The autograd context of a per-token forward, for either form of the call."""
     hidden, weight, targets, bias = tensors
-    ctx.mark_non_differentiable(output.lse, *output[3:])
+    ctx.mark_non_differentiable(output.lse, output.is_top1, output.mean_logits, output.log_sum_sq, output.grad_hidden,
+                                output.grad_weight, output.grad_bias)
     ctx.set_materialize_grads(False)
     ctx.request = request
     ctx.num_inputs = num_inputs
@@ -532,7 +537,8 @@ def _token_setup(ctx, tensors: tuple, request: Request, output: TokenOutputs, nu
 
 
 def _token_setup_context(ctx, inputs, output):
-    _token_setup(ctx, inputs[:4], Request.decode(inputs[4:]), TokenOutputs(*output), len(inputs))
+    hidden, weight, targets, bias, *encoded = inputs
+    _token_setup(ctx, (hidden, weight, targets, bias), Request.decode(encoded), TokenOutputs(*output), len(inputs))
 
 
 def _mean_grad_ratio(log_prob_grad: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, bool, float]:
@@ -616,10 +622,10 @@ class _EagerTokenForward(torch.autograd.Function):
     for its backward (the operator's outputs are fixed tensors)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, request):
-        output, kept = _token_outputs(hidden, weight, targets, bias, request,
-                                      keep=_keeps_rows(ctx, hidden, request.grads))
-        _token_setup(ctx, (hidden, weight, targets, bias), request, output, 5)
+    def forward(ctx, *inputs):
+        *tensors, request = inputs
+        output, kept = _token_outputs(*tensors, request, keep=_keeps_rows(ctx, tensors[0], request.grads))
+        _token_setup(ctx, tensors, request, output, len(inputs))
         ctx.kept = kept if kept is not None and kept.count > 0 else None
         return tuple(output)
 

@@ -158,6 +158,12 @@ _BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias, Te
                     f"-> {returns(Gradients)}")
 
 
+def _request(args) -> Request:
+    """The request of an implementation's arguments after its tensors: the ``Request`` itself
+    where called eagerly, else its encoded form (an operator's)."""
+    return args[0] if len(args) == 1 and isinstance(args[0], Request) else Request.decode(args)
+
+
 def _first_ids(ids: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """(column [N, 1] of each row's first id that is not ``ignore_index``, 0 where none; that id
     [N], ``ignore_index`` where none): the row's target in the sweep."""
@@ -215,7 +221,7 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
     backward as its target, with d out / d lse = -(the other ids' sum), then the other ids'
     sparse terms (``_add_sparse_terms``). Rows the forward ``kept`` take their softmax from it
     instead of a recompute of their logits."""
-    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    request = _request(args)
     opts, want = request.options, request.grads
     first, row_ids = _first_ids(ids, opts.ignore_index)
     valid = ids != opts.ignore_index
@@ -263,7 +269,8 @@ def _setup(ctx, tensors: tuple, request: Request, output: SparseOutputs, num_inp
 
 
 def _setup_context(ctx, inputs, output):
-    _setup(ctx, inputs[:4], Request.decode(inputs[4:]), SparseOutputs(*output), len(inputs))
+    hidden, weight, ids, bias, *encoded = inputs
+    _setup(ctx, (hidden, weight, ids, bias), Request.decode(encoded), SparseOutputs(*output), len(inputs))
 
 
 def _backward(ctx, log_prob_grad, lse_grad, entropy_grad, *unused):
@@ -295,9 +302,10 @@ class _EagerSparseForward(torch.autograd.Function):
     """``sparse_forward_op`` in eager mode, without the operator's dispatch (as ``_ops._EagerTokenForward``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, ids, bias, request):
-        output, kept = _sparse_outputs(hidden, weight, ids, bias, request, keep=_keeps_rows(ctx, hidden, ()))
-        _setup(ctx, (hidden, weight, ids, bias), request, output, 5)
+    def forward(ctx, *inputs):
+        *tensors, request = inputs
+        output, kept = _sparse_outputs(*tensors, request, keep=_keeps_rows(ctx, tensors[0], ()))
+        _setup(ctx, tensors, request, output, len(inputs))
         ctx.kept = kept if kept is not None and kept.count > 0 else None
         return tuple(output)
 
@@ -313,7 +321,7 @@ _PICKED_BACKWARD_SCHEMA = ("(Tensor hidden, Tensor weight, Tensor ids, Tensor? b
 def _picked_forward(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tensor | None, *args) -> Tensor:
     """The final logits z[n, ids[n, k]] [N, K] fp32 (fp64 for fp64 inputs), 0 where ignored, of the
     request in ``args`` (the ``Request`` itself in eager mode, else encoded)."""
-    opts = (args[0] if isinstance(args[0], Request) else Request.decode(args)).options
+    opts = _request(args).options
     valid = ids != opts.ignore_index
     with _no_autocast(hidden):
         logits = _picked_logits(hidden, weight, bias, torch.where(valid, ids, 0), opts)
@@ -333,7 +341,7 @@ def _picked_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
                            logit_grad: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of the picked logits for d out / d logits [N, K]:
     the sparse terms alone (``_add_sparse_terms``), empty where not asked for."""
-    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    request = _request(args)
     opts, want = request.options, request.grads
     valid = ids != opts.ignore_index
     coef = torch.where(valid, logit_grad.to(logits.dtype), 0.0) * _logit_chain(logits, opts)
@@ -354,7 +362,7 @@ def _(hidden, weight, ids, bias, logits, logit_grad, *args):
 
 def _picked_setup_context(ctx, inputs, output):
     hidden, weight, ids, bias, *args = inputs
-    request = args[0] if isinstance(args[0], Request) else Request.decode(args)
+    request = _request(args)
     ctx.request, ctx.has_bias, ctx.num_inputs = request, bias is not None, len(inputs)
     ctx.save_for_backward(hidden, weight, ids, None if bias is None else bias.detach().clone(), output)
 
