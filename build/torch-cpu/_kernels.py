@@ -860,7 +860,7 @@ def _grad_from_kept_kernel(
             # gradient needs this log at every entry: the hardware's approximate log2 (relative error
             # about 2^-22) is far inside the 16-bit rounding of the stored e, and spares the
             # precise log's polynomial, which bounds the pass by arithmetic.
-            clamped = tl.maximum(stored, 1e-38)
+            clamped = tl.maximum(stored, 2.0**-126)  # (fp32's least normal: a smaller literal is a float64)
             log_stored = libdevice.fast_logf(clamped) if FAST_LOG else tl.log(clamped)
             logits = log_stored + reference[:, None]
         else:
