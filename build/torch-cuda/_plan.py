@@ -133,6 +133,22 @@ def tile_width(dtype: torch.dtype, interpreting: bool) -> int:
     return 128 if dtype == torch.float32 else 256
 
 
+def logit_tile_candidates(block_v: int, element_size: int) -> list[tuple]:
+    """The logit kernel's candidate configurations for one tile width (BLOCK_V), as (BLOCK_N,
+    BLOCK_K, warps, stages, persistent): BLOCK_V is fixed per call because the tile statistics are
+    allocated per tile; the rest is autotuned. Shared memory per stage is (BLOCK_N + BLOCK_V) x
+    BLOCK_K x element size, kept under Hopper's 227 KiB."""
+    if element_size == 8:  # float64 (verification, not speed): fp64 accumulators are register-hungry
+        return [(64, 32, 4, 2, False)]
+    if element_size == 4:
+        return [(128, 32, 8, 3, False), (64, 32, 4, 3, False)]
+    if block_v >= 256:
+        # 4 persistent stages fit only without the buffer's TMA store (the forward's sweep).
+        return [(128, 64, 8, 3, False), (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 64, 8, 4, True),
+                (64, 64, 4, 4, False)]
+    return [(128, 64, 4, 4, False), (128, 64, 8, 4, False), (128, 64, 8, 4, True), (256, 64, 8, 3, False)]
+
+
 def logit_tile_choice(block_v: int, element_size: int, interpreting: bool, capability) -> TileChoice:
     """The logit kernel's configuration: one small tile when interpreting, the forced
     (``config``) or the shipped one (``TUNED``, for 16-bit 256-column tiles, with ``autotune``

@@ -48,21 +48,8 @@ def _config(block_n: int, block_k: int, num_warps: int, num_stages: int, persist
 
 
 def logit_tile_configs(block_v: int, element_size: int) -> list[triton.Config]:
-    """Candidate configurations of the logit kernel for one tile width (BLOCK_V).
-
-    BLOCK_V is fixed per call because the tile statistics are allocated per tile; the
-    rest is autotuned. Shared memory per stage is (BLOCK_N + BLOCK_V) * BLOCK_K * element
-    size, kept under Hopper's 227 KiB.
-    """
-    if element_size == 8:  # float64 (verification, not speed): fp64 accumulators are register-hungry
-        return [_config(64, 32, 4, 2)]
-    if element_size == 4:
-        return [_config(128, 32, 8, 3), _config(64, 32, 4, 3)]
-    if block_v >= 256:
-        # 4 persistent stages fit only without the buffer's TMA store (the forward's sweep).
-        return [_config(128, 64, 8, 3), _config(128, 64, 8, 3, True), _config(128, 64, 8, 4),
-                _config(128, 64, 8, 4, True), _config(64, 64, 4, 4)]
-    return [_config(128, 64, 4, 4), _config(128, 64, 8, 4), _config(128, 64, 8, 4, True), _config(256, 64, 8, 3)]
+    """The logit kernel's candidate configurations for one tile width (``_plan.logit_tile_candidates``)."""
+    return [_config(*candidate) for candidate in _plan.logit_tile_candidates(block_v, element_size)]
 
 
 _autotuned: dict[tuple, triton.runtime.Autotuner] = {}
@@ -100,8 +87,8 @@ def tile_width(dtype: torch.dtype) -> int:
 
 
 def hardware(device: torch.device) -> _plan.Hardware:
-    """This device's facts for the plan: the interpreter, the programs of a persistent round, the
-    Gluon statistics kernel's tile where it runs here (Hopper, a Triton whose Gluon it suits)."""
+    """This device's facts for the plan: the interpreter, a persistent round's programs, the Gluon
+    statistics kernel's tile where it runs here (Hopper, with a Triton whose Gluon it suits)."""
     if interpreting() or device.type != "cuda":
         return _plan.Hardware("triton", interpreting=interpreting(), programs=4 if interpreting() else 0)
     gluon = _gluon_stats_module()
@@ -512,9 +499,7 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
 
 
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
-    """Whether the statistics sweeps leave each row's target logit to ``_picked_logit_dot_kernel``
-    (``_plan.target_logit_by_product``): the same value, without the pick's compare and select on
-    every logit."""
+    """Whether the sweeps leave each row's target logit to a product (``_plan.target_logit_by_product``)."""
     return _plan.target_logit_by_product(hidden.dtype, _plan.Hardware("triton"))
 
 
