@@ -4,6 +4,10 @@ The operators are opaque to the compiler (one fake implementation each) and are 
 the namespace of the package as it was imported: ``fused_linear_ce`` when installed with
 pip, the kernel's unique id when loaded by ``kernels`` (so two loaded versions never clash).
 
+Each operator takes the call's ``Request`` as flat schema arguments (``Request.encode``, decoded
+by ``Request.decode``) and names its outputs (``LossOutputs``, ``TokenOutputs``, ``Gradients``). In
+eager mode the request passes as it is, through an autograd.Function, with no operator dispatch.
+
 Under torch.func transforms the same operators run inside ``FunctorchLoss``, an
 autograd.Function with ``setup_context``, which is what those transforms require.
 """
