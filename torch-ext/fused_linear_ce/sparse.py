@@ -33,7 +33,6 @@ from ._ops import (
     NAMESPACE,
     _keeps_rows,
     _no_autocast,
-    _token_backward_grads,
     _token_outputs,
     _traced,
 )
@@ -216,17 +215,16 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
         row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
         entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
         lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
-    if kept is not None:
-        with _no_autocast(hidden):
-            grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
-                                      want, entropy_grad=row_entropy_grad, kept=kept)
-    else:
-        grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
-                                      row_entropy_grad, *opts.op_args(), *want)
+    terms = None
+    if ids.shape[1] > 1:  # the other ids' entries of the grad logits (0 at ignored ones)
+        terms = (torch.where(valid, ids, 0), (rest * _logit_chain(logits, opts)).contiguous())
+    with _no_autocast(hidden):
+        grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
+                                  want, entropy_grad=row_entropy_grad, kept=kept, sparse_terms=terms)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
-    if ids.shape[1] > 1:
+    if terms is not None and grads[2] is not None:  # (the kernels' column sums came before the entries)
         with _no_autocast(hidden):
-            _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), rest * _logit_chain(logits, opts))
+            _add_sparse_terms([None, None, grads[2]], hidden, weight, *terms)
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
 
 
