@@ -596,6 +596,7 @@ def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, en
         n_rows, rows_per_program, vocab_size, buffer.stride(0), *_scale_and_cap(opts),
         BLOCK_N=16 if interpreting() else 32,
         BLOCK_V=state.block_v,
+        FAST_LOG=not interpreting(),  # (the interpreter has no libdevice)
         num_warps=8,
     )
     return buffer

@@ -63,6 +63,7 @@ of their reference flush to zero, as exp does in fp32.
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Larger than any column index: the neutral element of the first-index argmax (a min over the
 # indices where the max is reached), and the value of a tile or row without one.
@@ -823,6 +824,7 @@ def _grad_from_kept_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """The per-token backward of rows kept by the forward: grad logits [n_rows, V] made in place
     from what the forward's sweep stored, with no logit product.
@@ -854,8 +856,13 @@ def _grad_from_kept_kernel(
                                        ROW_REFERENCE=True)
             stored = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             probs = stored * tl.exp(reference - lse)[:, None]
-            # (the entries flushed to 0 have p = 0: their log is never weighed)
-            logits = tl.log(tl.maximum(stored, 1e-38)) + reference[:, None]
+            # (the entries flushed to 0 have p = 0: their log is never weighed). The entropy's
+            # gradient needs this log at every entry: the hardware's approximate log2 (relative error
+            # about 2^-22) is far inside the 16-bit rounding of the stored e, and spares the
+            # precise log's polynomial, which bounds the pass by arithmetic.
+            clamped = tl.maximum(stored, 2.0**-126)  # (fp32's least normal: a smaller literal is a float64)
+            log_stored = libdevice.fast_logf(clamped) if FAST_LOG else tl.log(clamped)
+            logits = log_stored + reference[:, None]
         else:
             tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
             shifted = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
