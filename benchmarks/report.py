@@ -351,7 +351,7 @@ def nccl_runs():
 
 
 def nccl_section(runs):
-    """The vocabulary-parallel checks and throughput over NCCL (scripts/gpu-distributed)."""
+    """The vocabulary-parallel checks and throughput over NCCL (scripts/gpu_distributed.py)."""
     lines = []
     for name, data in runs:
         cases = [r for ranks in data["ranks"] for r in ranks]
@@ -1108,7 +1108,7 @@ def main():
     parts += ["", "## Distillation", "", distillation_section()]
     nccl = nccl_runs()
     if nccl:
-        parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
+        parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu_distributed.py`)", "", nccl_section(nccl)]
     if cpu:
         parts += ["", "## CPU: the PyTorch path against PyTorch eager (`benchmarks/cpu_bench.py`)", "",
                   "CPU tensors (without `TRITON_INTERPRET=1`) take the chunked PyTorch path. One float32 training "

@@ -5,6 +5,7 @@ plan says) and the bias' column sums."""
 import torch
 
 from ._options import accumulation_dtype
+from ._row_order import chunk_of
 
 # torch.mm(..., out_dtype=) on CUDA: PyTorch >= 2.8 (the aten::mm.dtype overload).
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
@@ -58,12 +59,20 @@ class Gradients:
         self.group_chunks = 0
         self.group_size = group_size
         self.weight_sum = None
+        # (ids, coef) [N, K]: entries that the grad logits of each row take beside the softmax's, at
+        # those columns (the (N, K) log-probs' other ids, sparse.py), or None.
+        self.sparse_terms = None
 
     def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, target_terms=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
         ``row_factor`` r [rows] and ``target_terms`` (c, targets) [rows] the factored
         G = diag(r) E' + diag(c) T (E' in ``grad_logits``), whose row factors
         ``backend.scale_rows`` applies on the products' small side."""
+        if self.sparse_terms is not None:
+            # Into G before its products: the sparse entries then cost no gather of weight's or
+            # hidden's rows, at the 16-bit rounding G already has.
+            ids, coef = (chunk_of(t, self.row_order, start, end) for t in self.sparse_terms)
+            grad_logits.scatter_add_(1, ids, coef.to(grad_logits.dtype))
         self.add_hidden_grad(start, end, grad_logits, weight, row_factor, backend, target_terms)
         if self.grad_weight is not None:
             # G^T H = E'^T (diag(r) H) + T^T diag(c) H: the row factors ride on the chunk's

@@ -420,7 +420,7 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request: Request,
              class_weight: torch.Tensor | None = None, entropy_grad: torch.Tensor | None = None,
-             kept: _kept.KeptRows | None = None):
+             kept: _kept.KeptRows | None = None, sparse_terms: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Gradients (hidden, weight, bias), those of ``request.grads``, by recomputation, for a
     per-row ``loss_grad`` [N] (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N]
     and the ``class_weight`` of the forward. With class weights, ``lse_grad`` carries the z-loss's
@@ -428,7 +428,8 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request: R
     d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``. Only the rows
     with a non-zero upstream gradient are computed (``rows_with_gradient``); with ``kept`` (a
     per-token forward's ``_kept.KeptRows``, no shard) the kept rows from their buffers first, then
-    the others by recomputation."""
+    the others by recomputation. ``sparse_terms`` (ids, coef) [N, K] (no shard) are added to the
+    grad logits at those columns (``Gradients.sparse_terms``)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
@@ -444,16 +445,20 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request: R
     local_weight = local_class_weight(class_weight, opts, vocab_size, shard)
     chunk = plan.chunk_rows
     row_grads = [loss_grad, lse_grad, smooth_grad, entropy_grad]
+    if sparse_terms is not None:  # (a row with only sparse entries has a gradient too)
+        row_grads.append(sparse_terms[1].abs().sum(-1))
     fp32_sum, group = plan.weight_fp32, plan.weight_group
     if kept is not None:
         row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
         gradients = Gradients(hidden, vocab_size, grads, row_order.chunks(chunk), row_order, shard, fp32_sum, group)
+        gradients.sparse_terms = sparse_terms
         _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
                        (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_weight)
         return gradients.finish(hidden.dtype, bias, backend)
     # Under vocabulary parallelism every row is computed: the ranks' chunks must match.
     row_order = rows_with_gradient(backend, row_grads) if plan.row_order == "gradients" else None
     gradients = Gradients(hidden, vocab_size, grads, plan.n_chunks, row_order, shard, fp32_sum, group)
+    gradients.sparse_terms = sparse_terms
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:
