@@ -11,6 +11,10 @@
    importance ratio exp(log p - log p.detach()), per-sequence advantages, the entropy bonus 0.01),
    its backward and an SGD step; no generation. Both heads in alternating laps; ours keeps rows at
    its default budget (``--grpo-keep-mib`` sets FLCE_KEEP_MIB's value instead).
+4. A DistillationTrainer-shaped step: the same 2-layer student against a frozen 2-layer teacher of the
+   same shape (another seed), the completions three quarters of each sequence, through TRL's own
+   ``_chunked_divergence_loss`` (beta 1, TRL's default) with TRL's kernel or ours (``use_in_trl``
+   replaces it), backward and SGD; both heads in alternating laps.
 
 Writes one JSON (GPU, versions, date, command, each check, each head's ms and MiB, ratios) and
 exits 1 if a check failed. No network: the kernel is this checkout (LOCAL_KERNELS).
@@ -243,6 +247,68 @@ def time_grpo_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, war
     return result
 
 
+def time_distill_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int,
+                      cpu: bool) -> dict:
+    """Median wall time of a DistillationTrainer-shaped optimizer step (synchronized) over ``steps``
+    steps after ``warmup``, and the peak memory of the measured steps: the student's and the frozen
+    teacher's backbones, TRL's ``_chunked_divergence_loss`` over the completion tokens (the last three
+    quarters of each sequence) at beta 1, then backward and SGD on the student."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer import distillation_trainer
+
+    device = "cpu" if cpu else "cuda"
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            models.append(LlamaForCausalLM(LlamaConfig(pad_token_id=0, **shapes)).to(torch.bfloat16))
+    student, teacher = models
+    teacher.requires_grad_(False)
+    optimizer = torch.optim.SGD(student.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, shapes["vocab_size"], (batch, seq_len), generator=g).to(device)
+    completion_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
+    completion_mask[:, : seq_len // 4] = 0  # the prompts
+    ms = []
+    if ours:
+        flce.trl.use_in_trl()
+    try:
+        for step in range(warmup + steps):
+            if step == warmup and not cpu:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            start = time.perf_counter()
+            student_hidden = student.model(input_ids=input_ids).last_hidden_state
+            with torch.no_grad():
+                teacher_hidden = teacher.model(input_ids=input_ids).last_hidden_state
+            loss, _, _ = distillation_trainer._chunked_divergence_loss(
+                student_hidden, teacher_hidden, student.lm_head.weight, teacher.lm_head.weight, completion_mask, 1.0)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            if step >= warmup:
+                ms.append((time.perf_counter() - start) * 1e3)
+    finally:
+        if ours:
+            flce.trl.use_in_trl(False)
+    result = {"ms": round(statistics.median(ms), 3), "ms_each": [round(t, 3) for t in ms],
+              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
+              "loss": loss.item()}
+    del student, teacher, models, optimizer, loss
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    print(json.dumps({"head": "flce" if ours else "trl", "step": "distill", **result}), flush=True)
+    return result
+
+
 def alternating_laps(run, laps: int) -> dict:
     """``run(head)`` for the heads "trl" and "flce" in alternating order over ``laps`` laps (trl,
     flce, flce, trl, ...): each head's results with the median of all its steps, and the ratios."""
@@ -277,6 +343,8 @@ def main():
     parser.add_argument("--laps", type=int, default=1, help="part 2's runs of each head, in alternating order")
     parser.add_argument("--no-grpo", action="store_true", help="skip part 3")
     parser.add_argument("--grpo-laps", type=int, default=4, help="part 3's runs of each head, in alternating order")
+    parser.add_argument("--no-distill", action="store_true", help="skip part 4")
+    parser.add_argument("--distill-laps", type=int, default=4, help="part 4's runs of each head, alternating")
     parser.add_argument("--grpo-keep-mib", type=int, default=None,
                         help="part 3: FLCE_KEEP_MIB for our head (default: the package's budget)")
     args = parser.parse_args()
@@ -340,6 +408,16 @@ def main():
             record["grpo_step"] = {"model": shapes, "batch": batch, "seq_len": seq_len, "prompt_fraction": 0.25,
                                    "temperature": GRPO_TEMPERATURE, "entropy_coef": GRPO_ENTROPY_COEF,
                                    "dtype": "bfloat16", "warmup_steps": warmup, "timed_steps": steps, **grpo}
+        if not args.no_distill:
+            shapes = TINY_SHAPES if cpu else LLAMA3_2_LAYERS
+            batch, seq_len = (2, 64) if cpu else (4, 2048)
+            warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
+            steps = args.steps if args.steps is not None else (2 if cpu else 10)
+            distill = alternating_laps(lambda head: time_distill_step(flce, head == "flce", shapes, batch, seq_len,
+                                                                      warmup, steps, cpu), args.distill_laps)
+            record["distill_step"] = {"model": shapes, "teacher": shapes, "batch": batch, "seq_len": seq_len,
+                                      "prompt_fraction": 0.25, "beta": 1.0, "dtype": "bfloat16",
+                                      "warmup_steps": warmup, "timed_steps": steps, **distill}
     Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print(f"wrote {args.out}" + (" (a check failed)" if failed else ""), flush=True)
     sys.exit(1 if failed else 0)

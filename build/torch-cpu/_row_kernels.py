@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ._kernel_math import (
     OUT_ALWAYS,
@@ -212,6 +213,7 @@ def _grad_from_kept_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """The per-token backward of rows kept by the forward: grad logits [n_rows, V] made in place
     from what the forward's sweep stored, with no logit product.
@@ -243,8 +245,13 @@ def _grad_from_kept_kernel(
                                        ROW_REFERENCE=True)
             stored = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             probs = stored * tl.exp(reference - lse)[:, None]
-            # (the entries flushed to 0 have p = 0: their log is never weighed)
-            logits = tl.log(tl.maximum(stored, 1e-38)) + reference[:, None]
+            # (the entries flushed to 0 have p = 0: their log is never weighed). The entropy's
+            # gradient needs this log at every entry: the hardware's approximate log2 (relative error
+            # about 2^-22) is far inside the 16-bit rounding of the stored e, and spares the
+            # precise log's polynomial, which bounds the pass by arithmetic.
+            clamped = tl.maximum(stored, 2.0**-126)  # (fp32's least normal: a smaller literal is a float64)
+            log_stored = libdevice.fast_logf(clamped) if FAST_LOG else tl.log(clamped)
+            logits = log_stored + reference[:, None]
         else:
             tile_max = tl.where(tile_max == float("-inf"), 0.0, tile_max)
             shifted = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -523,6 +530,7 @@ def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, en
         n_rows, rows_per_program, vocab_size, buffer.stride(0), *scale_and_cap(opts),
         BLOCK_N=16 if interpreting() else 32,
         BLOCK_V=state.block_v,
+        FAST_LOG=not interpreting(),  # (the interpreter has no libdevice)
         num_warps=8,
     )
     return buffer

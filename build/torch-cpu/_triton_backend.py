@@ -31,10 +31,9 @@ from ._settings import current as settings
 from ._target_kernels import mean_grad_ratio, order_rows, take_out_flags, targets_out_of_range
 from ._tile_kernels import combine_tiles, new_row_stats
 
-# The backend's functions that its kernels' modules define (``_backend.Backend``).
-__all__ = ["FactoredSweep", "TileState", "factored_rows", "finalize", "grad_from_kept", "grad_from_stored",
-           "interpreting", "mean_grad_ratio", "order_rows", "row_factors", "scale_", "scale_rows", "take_out_flags",
-           "targets_out_of_range", "zero_rows"]
+# The backend's functions (``_backend.Backend``) that the kernels' modules define: their launchers.
+__all__ = ["factored_rows", "finalize", "grad_from_kept", "grad_from_stored", "mean_grad_ratio", "order_rows",
+           "row_factors", "scale_", "scale_rows", "take_out_flags", "targets_out_of_range", "zero_rows"]
 
 
 KERNELS_INTERPRETED = isinstance(K._tile_stats_kernel, InterpretedFunction)
