@@ -43,7 +43,7 @@ REFERENCE_GAP = tl.constexpr(40.0)
 # epilogues then take one fp32 multiply an element where tl.exp takes three and a compare.
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# A row's take_out flag (``_factor_rows``): its target entry stays in the bf16 products (0), leaves
+# A row's take_out flag (``_row_kernels._factor_rows``): its target entry stays in the bf16 products (0), leaves
 # them (OUT_ALWAYS: a rare target), or leaves them where p_t < RARE_PROBABILITY (OUT_IF_IMPROBABLE:
 # near-uniform rows, whose columns' other terms are too small to cancel it).
 OUT_ALWAYS = tl.constexpr(1)

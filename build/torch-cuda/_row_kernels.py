@@ -2,7 +2,7 @@
 the merged statistics; grad logits made in place from what the sweep stored; and the factored
 gradient's per-row factors. See ``_kernel_math`` for the notation.
 
-Factored gradients (``_tile_stats_kernel`` with a buffer and row references). Given a reference
+Factored gradients (``_tile_kernels._tile_stats_kernel`` with a buffer and row references). Given a reference
 R_i per row, the tile sweep can store e_ij = exp(z_ij - R_i) instead of z - tile_max. Without
 bias, softcap, smoothing or z-loss the gradient is then G = diag(r) E' + diag(c) T with r_i = s
 g_i exp(R_i - lse_i) (g_i = d out / d loss_i), T the one-hot targets, and either E' = E minus
@@ -218,7 +218,7 @@ def _grad_from_kept_kernel(
     """The per-token backward of rows kept by the forward: grad logits [n_rows, V] made in place
     from what the forward's sweep stored, with no logit product.
 
-    The buffer holds ``z - tile_max`` (``_tile_stats_kernel`` with a buffer), or with
+    The buffer holds ``z - tile_max`` (``_tile_kernels._tile_stats_kernel`` with a buffer), or with
     ``row_ref_ptr`` the factored sweep's e = exp(z - r), r the tile's reference
     (``_exp_reference`` of its max and B_i; no bias or softcap there), so that p = e exp(r - lse)
     and log p = log e + r - lse. ``_grad_logits`` then gives G as ``_tile_grad_kernel`` does from

@@ -204,7 +204,7 @@ def _take_out_flags_kernel(
     improbable_count,  # OUT_IF_IMPROBABLE where it is of at most this many (and more than rare_count)
     BLOCK: tl.constexpr,
 ):
-    """Each row's take_out flag (see ``_factor_rows``) from its target's count of rows; 0 for
+    """Each row's take_out flag (see ``_row_kernels._factor_rows``) from its target's count of rows; 0 for
     rows without a target here."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     targets = tl.load(targets_ptr + offs, mask=offs < n_rows, other=-1)

@@ -272,6 +272,8 @@ def _layout(kind, n, h, v, dtype, seed):
         hidden = torch.randn(n * h + 1, generator=gen).to(DEVICE, dtype)[1:].view(n, h)
     elif kind == "weight_transposed":  # a transposed view of an (h, v) tensor
         weight = (torch.randn(h, v, generator=gen) / h**0.5).to(DEVICE, dtype).t()
+    elif kind == "weight_column_slice":  # the first h columns of a (v, h + 8) tensor: rows h + 8 apart
+        weight = (torch.randn(v, h + 8, generator=gen) / h**0.5).to(DEVICE, dtype)[:, :h]
     return hidden.detach().requires_grad_(), weight.detach().requires_grad_()
 
 
@@ -295,7 +297,8 @@ def _spy_tma(monkeypatch, flce):
 
 
 # (layout, whether TMA descriptors can describe it: rows 16-byte aligned; a tensor whose columns
-# are not adjacent is copied before the logit kernels, which read unit column strides)
+# are not adjacent is copied once a call, and one whose rows are not H apart once a chunk, before the
+# logit kernels, which read contiguous rows)
 LAYOUTS = {
     "contiguous": True,
     "hidden_row_stride": True,
@@ -303,6 +306,7 @@ LAYOUTS = {
     "hidden_column_stride": True,
     "hidden_offset_misaligned": False,
     "weight_transposed": True,
+    "weight_column_slice": True,
 }
 
 
@@ -316,7 +320,7 @@ def test_layouts_and_load_paths(flce, tune, monkeypatch, layout, tma):
     dtype = torch.float32
     hidden, weight = _layout(layout, 21, H, V, dtype, seed=len(layout))
     assert hidden.is_contiguous() == (layout in ("contiguous", "hidden_offset_aligned", "weight_transposed",
-                                                  "hidden_offset_misaligned"))
+                                                  "hidden_offset_misaligned", "weight_column_slice"))
     targets = torch.randint(0, V, (21,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
     loss.backward()

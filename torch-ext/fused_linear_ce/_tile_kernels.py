@@ -176,7 +176,7 @@ def _tile_stats_kernel(
     buffer, 0 on the rows whose ``loss_grad`` is 0). With ``row_ref`` the sums are taken
     relative to the row's reference (``_exp_reference``); the tile that holds a row's target
     writes its logit to ``target_logit`` unless that is None (the caller then takes it from
-    ``_picked_logit_dot_kernel``, as the factored sweep does). Without PERSISTENT a program
+    ``_target_kernels._picked_logit_dot_kernel``, as the factored sweep does). Without PERSISTENT a program
     does one tile; with it, a fixed grid strides over the tiles in one flattened loop, so that
     the loads of the next tile overlap the epilogue of the current one.
     """
