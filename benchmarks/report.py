@@ -351,7 +351,7 @@ def nccl_runs():
 
 
 def nccl_section(runs):
-    """The vocabulary-parallel checks and throughput over NCCL (scripts/gpu-distributed)."""
+    """The vocabulary-parallel checks and throughput over NCCL (scripts/gpu_distributed.py)."""
     lines = []
     for name, data in runs:
         cases = [r for ranks in data["ranks"] for r in ranks]
@@ -757,7 +757,8 @@ def distillation_section() -> str:
     lines += ["", "Runs: " + ", ".join(f"`{name}` ({run['environment']['date'][:10]}, bf16 matmul at "
                                         f"{run.get('matmul_tflops', 0):.0f} TFLOP/s)" for name, run in data) + "; "
               "each row's methods from the newest run that timed it (the sparse rows' newest with the kept rows)."]
-    return "\n".join(lines)
+    step = distill_step_sentence()
+    return "\n".join(lines + (["", step] if step else []))
 
 
 def _distill_results():
@@ -867,6 +868,23 @@ def token_summary(runs) -> str:
     return "".join(parts) + grpo_step_sentence()
 
 
+def distill_step_sentence() -> str:
+    """The DistillationTrainer-shaped model step of ``scripts/trl_gpu.py`` (part 4) with both heads,
+    from the newest ``trl-gpu-*.json`` that has it; empty where none does."""
+    runs = [(name, data) for name, data in recorded("trl-gpu-*.json") if "distill_step" in data]
+    if not runs:
+        return ""
+    name, data = max(runs, key=lambda item: item[1]["date"])
+    step = data["distill_step"]
+    return (f"A DistillationTrainer-shaped step (a {step['model']['num_hidden_layers']}-layer Llama-3-shaped "
+            f"student against a frozen teacher of the same shape, {step['batch']} × {step['seq_len']} tokens, "
+            f"{1 - step['prompt_fraction']:.0%} of them completions, β = {step['beta']:g}, through TRL's "
+            f"`_chunked_divergence_loss`, {step['laps']} alternating laps; `{name}`) takes {step['flce']['ms']:.1f} "
+            f"ms and {step['flce']['peak_mib']:.0f} MiB with this kernel, against {step['trl']['ms']:.1f} ms and "
+            f"{step['trl']['peak_mib']:.0f} MiB with TRL's: {step['ratio_ms']:.3f}× the time (target ≤ 0.85), "
+            f"{step['ratio_mib']:.2f}× the memory.")
+
+
 def distill_summary() -> str:
     """README's paragraph on the distillation rows (BENCHMARKS.md has the tables)."""
     results, names, _ = _distill_results()
@@ -889,7 +907,8 @@ def distill_summary() -> str:
     if sparse and loss:
         text += (f"; the sparse KL at K = 100 takes {sparse['step_ms'] / loss['step_ms']:.2f}× our loss step at "
                  f"{sparse['step_peak_mib'] / loss['step_peak_mib']:.2f}× its memory")
-    return text + " (BENCHMARKS.md, \"Distillation\")."
+    step = distill_step_sentence()
+    return text + " (BENCHMARKS.md, \"Distillation\")." + (" " + step if step else "")
 
 
 def cpu_runs():
@@ -1089,7 +1108,7 @@ def main():
     parts += ["", "## Distillation", "", distillation_section()]
     nccl = nccl_runs()
     if nccl:
-        parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu-distributed`)", "", nccl_section(nccl)]
+        parts += ["", "## Vocabulary parallelism over NCCL (`scripts/gpu_distributed.py`)", "", nccl_section(nccl)]
     if cpu:
         parts += ["", "## CPU: the PyTorch path against PyTorch eager (`benchmarks/cpu_bench.py`)", "",
                   "CPU tensors (without `TRITON_INTERPRET=1`) take the chunked PyTorch path. One float32 training "

@@ -21,6 +21,12 @@ exits 1 if a check failed. No network: the kernel is this checkout (LOCAL_KERNEL
 
     python scripts/trl_gpu.py --out trl_gpu.json
     python scripts/trl_gpu.py --cpu-smoke --out /tmp/trl_smoke.json   # the same logic, tiny, on the CPU
+
+``--accuracy DEVICE`` instead prints the bf16 accuracy of TRL's fused-head kernel and of
+``flce.trl.FusedLogProbs`` against float64 (the numbers of docs/integrations.md; on a CPU the
+kernel's PyTorch path, on cuda the Triton kernels):
+
+    python scripts/trl_gpu.py --accuracy cpu
 """
 
 import argparse
@@ -331,9 +337,32 @@ def alternating_laps(run, laps: int) -> dict:
     return timing
 
 
+def bf16_accuracy(device: str, shape: tuple[int, int, int]) -> None:
+    """Prints the largest error of a log-prob and of an entropy of both heads, for logits of O(1)
+    and O(4): both get the same bf16 hidden states and weight, the reference is float64 from those
+    rounded inputs."""
+    import torch
+    from kernels import get_local_kernel
+    from trl.kernels import ChunkedLogProbFunction
+
+    flce = get_local_kernel(ROOT / "build" / ("torch-cuda" if device == "cuda" else "torch-cpu"))
+    n, h, v = shape
+    torch.manual_seed(0)
+    for scale in (1.0, 4.0):
+        hidden = torch.randn(n, h, device=device).bfloat16()
+        weight = (torch.randn(v, h, device=device) * scale / h**0.5).bfloat16()
+        targets = torch.randint(0, v, (n,), device=device)
+        log_p = torch.log_softmax(hidden.double() @ weight.double().T, dim=-1)
+        expected = log_p.gather(1, targets[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+        for name, kernel in (("TRL", ChunkedLogProbFunction), ("fused-linear-ce", flce.trl.FusedLogProbs)):
+            out = kernel.apply(hidden, weight, None, targets, 1.0, 128, None, 1.0, ("entropy",))
+            errors = [(got.double() - want).abs().max().item() for got, want in zip(out[:2], expected, strict=True)]
+            print(f"{device} logits O({scale:g}) {name:>16}: log_probs {errors[0]:.1e}  entropy {errors[1]:.1e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--out", help="the JSON to write (needed but with --accuracy)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the logic")
     parser.add_argument("--trainers", default="sft,dft,dpo,kto,grpo,rloo", help="comma-separated, for part 1")
     parser.add_argument("--no-checks", action="store_true", help="skip part 1")
@@ -347,10 +376,16 @@ def main():
     parser.add_argument("--distill-laps", type=int, default=4, help="part 4's runs of each head, alternating")
     parser.add_argument("--grpo-keep-mib", type=int, default=None,
                         help="part 3: FLCE_KEEP_MIB for our head (default: the package's budget)")
+    parser.add_argument("--accuracy", metavar="DEVICE", help="print the bf16 accuracy of both heads on DEVICE, only")
+    parser.add_argument("--accuracy-shape", type=int, nargs=3, default=(512, 256, 4096), metavar=("N", "H", "V"))
     args = parser.parse_args()
-    cpu = args.cpu_smoke
+    if args.accuracy is None and args.out is None:
+        parser.error("--out is needed")
+    cpu = args.cpu_smoke or args.accuracy == "cpu"
     if cpu:
         os.environ["TRITON_INTERPRET"] = "0"  # CPU tensors take the PyTorch path, before triton is imported
+    if args.accuracy is not None:
+        return bf16_accuracy(args.accuracy, args.accuracy_shape)
 
     import torch
     from _tiny import trl_example

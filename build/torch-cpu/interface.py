@@ -1,144 +1,26 @@
-"""The public function: argument checks, shapes, and the choice of the gradient path."""
+"""The public loss: its inputs checked (``_validation``), shaped, and the choice of the gradient path."""
 
-import math
-import numbers
-import operator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _torch_backend
-from ._chunked import backend_for, copy_to_host
+from ._chunked import backend_for
 from ._distributed import check_ranks_agree, vocabulary_layout
 from ._dtensor import dtensor_loss, has_dtensor
-from ._ops import FORWARD_AD_ERROR, FunctorchLoss, loss_forward
+from ._ops import FunctorchLoss, loss_forward
 from ._options import LossOptions, accumulation_dtype
-from ._settings import current as settings
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_REDUCTIONS = ("mean", "sum", "none")
-_INT32 = torch.iinfo(torch.int32)
-_INT64 = torch.iinfo(torch.int64)
-
-
-def _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale):
-    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have shape (..., H), got a 0-d tensor")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must have shape (V, H) with H = {hidden.shape[-1]}, got {tuple(weight.shape)}")
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1)")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"targets must be int64 (or int32), got {targets.dtype}")
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
-                         f"got {tuple(targets.shape)}")
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
-    for name, value in (("hidden", hidden), ("weight", weight), ("targets", targets), ("bias", bias)):
-        if value is not None and value.is_meta:  # a model built under torch.device("meta"), not yet loaded
-            raise ValueError(f"{name} is a meta tensor, which holds no data: materialise it (load the weights, or "
-                             f"to_empty() and initialise) before computing a loss")
-    for name, value in (("weight", weight), ("targets", targets), ("bias", bias)):
-        if value is not None and value.device != hidden.device:
-            raise ValueError(f"{name} is on {value.device} but hidden is on {hidden.device}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)):
-        raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if not (isinstance(z_loss_scale, (int, float)) and math.isfinite(z_loss_scale) and z_loss_scale >= 0):
-        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale!r}")
-
-
-def _checked_ignore_index(ignore_index) -> int:
-    try:
-        value = None if isinstance(ignore_index, bool) else operator.index(ignore_index)
-    except TypeError:
-        value = None
-    if value is None or not _INT64.min <= value <= _INT64.max:
-        raise ValueError(f"ignore_index must be an integer in the int64 range, got {ignore_index!r}")
-    return value
-
-
-def _check_class_weight(class_weight, vocab_size: int, hidden: Tensor) -> None:
-    if not isinstance(class_weight, Tensor):
-        raise TypeError(f"class_weight must be a torch.Tensor or None, got {type(class_weight).__name__}")
-    if class_weight.shape != (vocab_size,):
-        raise ValueError(f"class_weight must have shape ({vocab_size},) (the whole vocabulary), "
-                         f"got {tuple(class_weight.shape)}")
-    if not class_weight.is_floating_point():
-        raise TypeError(f"class_weight must be a floating-point tensor, got {class_weight.dtype}")
-    if class_weight.device != hidden.device:
-        raise ValueError(f"class_weight is on {class_weight.device} but hidden is on {hidden.device}")
-    if class_weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError("class_weight takes no gradient (as in F.cross_entropy): pass class_weight.detach()")
-
-
-def _number(name: str, value):
-    """A float option given as a Python number or a 0-d tensor (read once on the host), as a
-    float; None stays None. A tensor that requires grad is refused: the loss has no gradient
-    with respect to these options."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got a bool")
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or value.is_complex():
-            raise ValueError(f"{name} must be a number or a 0-d real tensor, got a tensor of shape "
-                             f"{tuple(value.shape)}")
-        if value.requires_grad:
-            raise ValueError(f"{name} is a tensor that requires grad, but the loss has no gradient with respect to "
-                             f"{name}: pass a number, or detach it")
-        return float(value.item())
-    return float(value) if isinstance(value, numbers.Real) else value
-
-
-def _type_name(value) -> str:
-    """A value's type as an error message names it: ``int``, ``numpy.int64``, ``torch.Tensor``."""
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _is_bool(value) -> bool:
-    """A Python bool or a numpy one, told by its type's name (no numpy import, and no look-up of
-    sys.modules, which torch.compile would trace and guard on whole)."""
-    kind = type(value)
-    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
-
-
-def _check_options(targets: Tensor, return_metrics, return_lse, shift) -> None:
-    for name, value in (("return_metrics", return_metrics), ("return_lse", return_lse)):
-        if not _is_bool(value):
-            raise TypeError(f"{name} must be a bool, got {_type_name(value)} {value!r}")
-    if isinstance(shift, bool) or not isinstance(shift, int):
-        raise TypeError(f"shift must be an int, got {_type_name(shift)} {shift!r}")
-    if shift < 0:
-        raise ValueError(f"shift must be >= 0, got {shift}")
-    if shift and targets.dim() == 0:
-        raise ValueError("shift needs a sequence dimension: targets is 0-d")
-
-
-def _check_process_group(process_group) -> None:
-    """A ProcessGroup, not anything else that the collectives would misread (a group's name, a rank)."""
-    dist = torch.distributed
-    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
-                        f"{_type_name(process_group)} {process_group!r}")
+from ._validation import (
+    INT32,
+    autocast_inputs,
+    check_class_weight,
+    check_process_group,
+    checked_loss_arguments,
+    finish_target_check,
+    start_target_check,
+    targets_checked,
+    under_functorch,
+)
 
 
 def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
@@ -150,67 +32,6 @@ def _shift_targets(targets: Tensor, shift: int, ignore_index: int) -> Tensor:
 def _drop_shifted(per_row: Tensor, shift: int) -> Tensor:
     """The positions that have a shifted target: all but the last ``shift``."""
     return per_row[..., : max(per_row.shape[-1] - shift, 0)] if shift else per_row
-
-
-def _autocast(hidden, weight, bias):
-    """Under torch.autocast, the inputs take the autocast dtype, as F.linear's would (the
-    loss itself is accumulated in fp32 regardless); float64 ones stay, as autocast leaves them."""
-    device_type = hidden.device.type if isinstance(hidden, Tensor) else "cpu"
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-
-    def cast(t):
-        eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        return t.to(dtype) if eligible else t
-
-    return cast(hidden), cast(weight), cast(bias)
-
-
-def _under_functorch() -> bool:
-    """True inside a torch.func transform (grad, vjp, jacrev, vmap, ...)."""
-    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def _check_no_dual(*tensors) -> None:
-    """Forward-mode AD (torch.autograd.forward_ad) is not supported: refused rather than the
-    tangents silently dropped."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
-            raise RuntimeError(FORWARD_AD_ERROR)
-
-
-def _targets_checked(targets: Tensor) -> bool:
-    # The range check waits on the host for a flag: skipped while tracing or capturing a CUDA
-    # graph, when vmap batches the targets (a data-dependent branch per sample), and when
-    # FLCE_CHECK_TARGETS=0. Unchecked, an out-of-range target gives a NaN loss.
-    if torch.compiler.is_compiling() or not settings().check_targets:
-        return False
-    if torch._C._functorch.is_functorch_wrapped_tensor(targets):
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _start_target_check(targets: Tensor, vocab_size: int, ignore_index: int):
-    """Queues the range check of the targets [N] ahead of the loss's own work: the backend's
-    flag (on CUDA one kernel and its zero fill) copied to pinned host memory, and an event that
-    marks it ready."""
-    # (inside a torch.func transform a new tensor is wrapped, which a Triton kernel cannot take)
-    backend = _torch_backend if _under_functorch() else backend_for(targets.device)
-    return copy_to_host(backend.targets_out_of_range(targets, vocab_size, ignore_index))
-
-
-def _finish_target_check(check, targets: Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raises on an out-of-range target. Called once the loss's work is queued: the host waits
-    for the flag only (the kernels queued before it), while the GPU goes on with the loss."""
-    flag, ready = check
-    if ready is not None:
-        ready.synchronize()
-    if bool(flag):
-        value = int(targets[_torch_backend.out_of_range(targets, vocab_size, ignore_index)][0])
-        raise ValueError(f"targets must be in [0, {vocab_size}) or ignore_index={ignore_index}, found {value}")
 
 
 def fused_linear_cross_entropy(
@@ -321,28 +142,21 @@ def fused_linear_cross_entropy(
             return_lse=return_lse, class_weight=class_weight, process_group=process_group, vocab_start=vocab_start,
             shift=shift,
         )
-    hidden, weight, bias = _autocast(hidden, weight, bias)
-    logit_scale, softcap, label_smoothing, z_loss_scale = (
-        _number(name, value) for name, value in (("logit_scale", logit_scale), ("softcap", softcap),
-                                                 ("label_smoothing", label_smoothing), ("z_loss_scale", z_loss_scale)))
-    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, reduction, label_smoothing, z_loss_scale)
-    ignore_index = _checked_ignore_index(ignore_index)
-    _check_no_dual(hidden, weight, bias)
-    _check_options(targets, return_metrics, return_lse, shift)
-    if targets.dtype == torch.int32 and not (_INT32.min <= ignore_index <= _INT32.max):
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    logit_scale, softcap, label_smoothing, z_loss_scale, ignore_index = checked_loss_arguments(
+        hidden, weight, targets, bias, ignore_index, logit_scale, softcap, reduction, label_smoothing, z_loss_scale,
+        return_metrics, return_lse, shift)
+    if targets.dtype == torch.int32 and not (INT32.min <= ignore_index <= INT32.max):
         # No int32 target equals this ignore_index: compare in int64 (before the shift pads with it).
         targets = targets.long()
     if shift:
         targets = _shift_targets(targets, shift, ignore_index)
     vocab_size, hidden_size = weight.shape
-    functorch = _under_functorch()
+    functorch = under_functorch()
     group_name, total_vocab_size = None, vocab_size
     if process_group is not None:
-        if functorch:
-            raise RuntimeError("fused_linear_cross_entropy does not support process_group under torch.func "
-                               "transforms (grad, vjp, jacrev, vmap)")
-        _check_process_group(process_group)
-        if _targets_checked(targets):  # the ranks' agreement, the slices' tiling and the targets' range, at once
+        check_process_group(process_group)
+        if targets_checked(targets):  # the ranks' agreement, the slices' tiling and the targets' range, at once
             options = dict(ignore_index=ignore_index, logit_scale=logit_scale, softcap=softcap, reduction=reduction,
                            return_metrics=return_metrics, return_lse=return_lse, label_smoothing=label_smoothing,
                            z_loss_scale=z_loss_scale, shift=shift)
@@ -355,7 +169,7 @@ def fused_linear_cross_entropy(
     elif vocab_start is not None:
         raise ValueError("vocab_start needs a process_group")
     if class_weight is not None:
-        _check_class_weight(class_weight, total_vocab_size, hidden)
+        check_class_weight(class_weight, total_vocab_size, hidden)
         class_weight = class_weight.to(accumulation_dtype(hidden.dtype)).contiguous()  # (itself if it can)
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)  # any strides: columns made adjacent once (_chunked.unit_columns)
@@ -364,8 +178,7 @@ def fused_linear_cross_entropy(
     # it: the host never waits for the loss itself, so the GPU does not idle at the check.
     if not functorch:
         backend_for(hidden.device).precompile("metrics" if return_metrics else "loss", hidden.device)
-    target_check = (_start_target_check(targets_1d, total_vocab_size, ignore_index)
-                    if _targets_checked(targets) and process_group is None else None)
+    target_check = start_target_check(targets_1d, total_vocab_size, ignore_index) if process_group is None else None
     if bias is not None:
         bias = bias.contiguous()
     options = LossOptions(
@@ -391,8 +204,7 @@ def fused_linear_cross_entropy(
             *(in_forward and n for n in needs),
             bool(return_lse),
         )
-    if target_check is not None:
-        _finish_target_check(target_check, targets_1d, total_vocab_size, ignore_index)
+    finish_target_check(target_check)
     if reduction == "none":
         loss = _drop_shifted(loss.reshape(leading_shape), shift)
     outputs = [loss]

@@ -32,19 +32,8 @@ import torch
 from torch import Tensor
 
 from ._chunked import backend_for
-from ._dtensor import has_dtensor
 from ._ops import speculates, token_forward
-from ._options import LossOptions
-from .interface import (
-    _autocast,
-    _check_inputs,
-    _checked_ignore_index,
-    _finish_target_check,
-    _number,
-    _start_target_check,
-    _targets_checked,
-    _under_functorch,
-)
+from ._validation import checked_token_arguments, finish_target_check, start_target_check
 
 TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -128,17 +117,8 @@ def fused_linear_log_probs(
         return sparse_token_outputs(hidden, weight, targets, bias, temperature=temperature, logit_scale=logit_scale,
                                     softcap=softcap, ignore_index=ignore_index, outputs=outputs)
     outputs = _checked_outputs(outputs)
-    if has_dtensor(hidden, weight, targets, bias):
-        raise TypeError("fused_linear_log_probs takes plain tensors: gather DTensor inputs first (full_tensor())")
-    if _under_functorch():
-        raise RuntimeError("fused_linear_log_probs does not support torch.func transforms")
-    hidden, weight, bias = _autocast(hidden, weight, bias)
-    temperature, logit_scale, softcap = (_number(name, value) for name, value in (
-        ("temperature", temperature), ("logit_scale", logit_scale), ("softcap", softcap)))
-    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, "none", 0.0, 0.0)
-    if not (isinstance(temperature, float) and temperature > 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    ignore_index = _checked_ignore_index(ignore_index)
+    hidden, weight, bias, options = checked_token_arguments(hidden, weight, targets, bias, temperature, logit_scale,
+                                                            softcap, ignore_index)
     vocab_size, hidden_size = weight.shape
     leading_shape = targets.shape
     hidden_2d = hidden.reshape(-1, hidden_size)
@@ -147,10 +127,7 @@ def fused_linear_log_probs(
         targets_1d = targets_1d.long()
     key = ",".join(sorted(set(outputs) | {"log_probs"}))
     backend_for(hidden.device).precompile("tokens:" + key, hidden.device)
-    target_check = _start_target_check(targets_1d, vocab_size, ignore_index) if _targets_checked(targets) else None
-    # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
-    options = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
-                          softcap=None if softcap is None else softcap / temperature)
+    target_check = start_target_check(targets_1d, vocab_size, options.ignore_index)
     metrics = "entropy" in outputs or "is_top1" in outputs
     logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
@@ -160,8 +137,7 @@ def fused_linear_log_probs(
     _, log_probs, entropy, is_top1, mean_logits, log_sum_sq, *_ = token_forward(
         hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), *options.op_args(),
         key, metrics, logit_sum, sum_sq, *(in_forward and n for n in needs))
-    if target_check is not None:
-        _finish_target_check(target_check, targets_1d, vocab_size, ignore_index)
+    finish_target_check(target_check)
     per_token = dict(log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits,
                      is_top1=is_top1)
     return TokenOutputs(**{name: per_token[name].reshape(leading_shape) if name in outputs or name == "log_probs"

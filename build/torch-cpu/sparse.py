@@ -27,26 +27,22 @@ from torch import Tensor
 
 from . import _chunked
 from ._chunked import backend_for
-from ._dtensor import has_dtensor
 from ._ops import (
     DOUBLE_BACKWARD_ERROR,
     NAMESPACE,
     _keeps_rows,
     _no_autocast,
-    _token_backward_grads,
     _token_outputs,
     _traced,
 )
 from ._options import LossOptions, accumulation_dtype
-from .interface import (
-    _autocast,
-    _check_inputs,
-    _checked_ignore_index,
-    _finish_target_check,
-    _number,
-    _start_target_check,
-    _targets_checked,
-    _under_functorch,
+from ._validation import (
+    check_reduction,
+    check_teacher_log_probs,
+    checked_ignore_index,
+    checked_token_arguments,
+    finish_target_check,
+    start_target_check,
 )
 from .log_probs import TOKEN_OUTPUTS, TokenOutputs
 
@@ -216,17 +212,16 @@ def _sparse_backward_grads(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Te
         row_entropy_grad = torch.where(row_ids != opts.ignore_index, entropy_grad.to(lse.dtype), 0.0)
         entropy_lse_grad = -row_entropy_grad * entropy  # d H / d z_j = -p_j (log p_j + H): the H part
         lse_grad = entropy_lse_grad if lse_grad is None else lse_grad + entropy_lse_grad
-    if kept is not None:
-        with _no_autocast(hidden):
-            grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
-                                      want, entropy_grad=row_entropy_grad, kept=kept)
-    else:
-        grads = _token_backward_grads(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad,
-                                      row_entropy_grad, *opts.op_args(), *want)
+    terms = None
+    if ids.shape[1] > 1:  # the other ids' entries of the grad logits (0 at ignored ones)
+        terms = (torch.where(valid, ids, 0), (rest * _logit_chain(logits, opts)).contiguous())
+    with _no_autocast(hidden):
+        grads = _chunked.backward(hidden, weight, row_ids, bias, lse, loss_grad.contiguous(), lse_grad, opts,
+                                  want, entropy_grad=row_entropy_grad, kept=kept, sparse_terms=terms)
     grads = [grad if w else None for grad, w in zip(grads, want, strict=True)]
-    if ids.shape[1] > 1:
+    if terms is not None and grads[2] is not None:  # (the kernels' column sums came before the entries)
         with _no_autocast(hidden):
-            _add_sparse_terms(grads, hidden, weight, torch.where(valid, ids, 0), rest * _logit_chain(logits, opts))
+            _add_sparse_terms([None, None, grads[2]], hidden, weight, *terms)
     return tuple(hidden.new_empty(0) if grad is None else grad for grad in grads)
 
 
@@ -379,35 +374,17 @@ class _EagerPickedLogits(torch.autograd.Function):
 def _checked_sparse_inputs(hidden, weight, ids, bias, temperature, logit_scale, softcap, ignore_index):
     """The checks and casts of ``fused_linear_log_probs`` for (..., K) ids: (hidden [N, H], weight,
     ids [N, K] int64, bias or None, LossOptions with the temperature folded in)."""
-    if has_dtensor(hidden, weight, ids, bias):
-        raise TypeError("fused_linear_log_probs takes plain tensors: gather DTensor inputs first (full_tensor())")
-    if _under_functorch():
-        raise RuntimeError("fused_linear_log_probs does not support torch.func transforms")
-    hidden, weight, bias = _autocast(hidden, weight, bias)
-    temperature, logit_scale, softcap = (_number(name, value) for name, value in (
-        ("temperature", temperature), ("logit_scale", logit_scale), ("softcap", softcap)))
-    if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"targets must be int64 (or int32), got {ids.dtype}")
-    if ids.shape[:-1] != hidden.shape[:-1] or ids.shape[-1] == 0:
-        raise ValueError(f"(..., K) targets must have shape {tuple(hidden.shape[:-1])} + (K,) with K >= 1, "
-                         f"got {tuple(ids.shape)}")
-    _check_inputs(hidden, weight, ids[..., 0], bias, logit_scale, softcap, "none", 0.0, 0.0)
-    if not (isinstance(temperature, float) and temperature > 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    ignore_index = _checked_ignore_index(ignore_index)
-    # z / T = (c / T) tanh((s / T) u / (c / T)): the temperature folds into the scale and the softcap.
-    opts = LossOptions(ignore_index=ignore_index, logit_scale=logit_scale / temperature,
-                       softcap=None if softcap is None else softcap / temperature)
+    hidden, weight, bias, opts = checked_token_arguments(hidden, weight, ids, bias, temperature, logit_scale, softcap,
+                                                         ignore_index, ids_per_row=True)
     ids_2d = ids.reshape(-1, ids.shape[-1]).long().contiguous()
     return hidden.reshape(-1, weight.shape[1]), weight, ids_2d, None if bias is None else bias.contiguous(), opts
 
 
 def _checked_ids(ids: Tensor, vocab_size: int, opts: LossOptions, run):
     """``run()``, with the ids' range check queued before it and read after it (as the loss's)."""
-    check = _start_target_check(ids.reshape(-1), vocab_size, opts.ignore_index) if _targets_checked(ids) else None
+    check = start_target_check(ids.reshape(-1), vocab_size, opts.ignore_index)
     result = run()
-    if check is not None:
-        _finish_target_check(check, ids.reshape(-1), vocab_size, opts.ignore_index)
+    finish_target_check(check)
     return result
 
 
@@ -453,9 +430,6 @@ def _support_scores(hidden, weight, ids, bias, add_tail: bool, **options) -> Ten
 
 
 # ---- the top-k distillation losses (TRL 1.16's ServerDistillationTrainer) -------------------
-_REDUCTIONS = ("mean", "sum", "none")
-
-
 def _tail_bucket(log_probs: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
     """TRL's ``_add_tail_bucket``: one more element, log(1 - sum_k exp(log_probs_k)), the sum
     held below 1 (its log at most -1e-7), which is always in the support."""
@@ -506,19 +480,6 @@ def _reduced(per_row: Tensor, rows: Tensor, reduction: str) -> Tensor:
     return total / rows.sum().clamp_min(1) if reduction == "mean" else total
 
 
-def _check_teacher(name: str, teacher: Tensor, ids: Tensor) -> None:
-    if not isinstance(teacher, Tensor) or not teacher.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {type(teacher).__name__}")
-    if teacher.shape != ids.shape or teacher.device != ids.device:
-        raise ValueError(f"{name} must have shape {tuple(ids.shape)} on {ids.device}, got {tuple(teacher.shape)} "
-                         f"on {teacher.device}")
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-
-
 def fused_linear_sparse_kl(
     hidden: Tensor,
     weight: Tensor,
@@ -561,11 +522,11 @@ def fused_linear_sparse_kl(
         The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias
         (none to the teacher's log-probs, which are data).
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     if not isinstance(teacher_ids, Tensor) or not isinstance(hidden, Tensor) or teacher_ids.dim() != hidden.dim():
         raise ValueError("teacher_ids must be a tensor of shape (..., K), hidden (..., H)")
-    _check_teacher("teacher_log_probs", teacher_log_probs, teacher_ids)
-    ignore_index = _checked_ignore_index(ignore_index)
+    check_teacher_log_probs("teacher_log_probs", teacher_log_probs, teacher_ids)
+    ignore_index = checked_ignore_index(ignore_index)
     student = _support_scores(hidden, weight, teacher_ids, bias, add_tail, temperature=temperature,
                               logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
     present = teacher_ids != ignore_index
@@ -622,13 +583,13 @@ def fused_linear_top1_divergence(
     Returns:
         The loss, float32 (float64 for float64 inputs), with gradients to hidden, weight and bias.
     """
-    _check_reduction(reduction)
+    check_reduction(reduction)
     if not (isinstance(beta, (int, float)) and 0 < beta <= 1):
         raise ValueError(f"beta must be in (0, 1], got {beta!r}")
     if not isinstance(token_ids, Tensor):
         raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
-    _check_teacher("teacher_token_log_probs", teacher_token_log_probs, token_ids)
-    ignore_index = _checked_ignore_index(ignore_index)
+    check_teacher_log_probs("teacher_token_log_probs", teacher_token_log_probs, token_ids)
+    ignore_index = checked_ignore_index(ignore_index)
     rows = token_ids != ignore_index
     if beta == 1:
         ids, support = token_ids[..., None], rows[..., None]
@@ -636,7 +597,7 @@ def fused_linear_top1_divergence(
     else:
         if teacher_top1_ids is None or teacher_top1_log_probs is None:
             raise ValueError("beta < 1 needs teacher_top1_ids and teacher_top1_log_probs")
-        _check_teacher("teacher_top1_log_probs", teacher_top1_log_probs, token_ids)
+        check_teacher_log_probs("teacher_top1_log_probs", teacher_top1_log_probs, token_ids)
         top1_ids = torch.where(rows, teacher_top1_ids, ignore_index)
         support = torch.stack([rows, rows & (token_ids != top1_ids)], dim=-1)
         ids = torch.where(support, torch.stack([top1_ids, token_ids], dim=-1), ignore_index)

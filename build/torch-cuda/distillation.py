@@ -31,10 +31,9 @@ from torch import Tensor
 
 from . import _torch_backend
 from ._chunked import _cdiv, _Gradients, _mm_f32, backend_for, weight_group
-from ._dtensor import has_dtensor
 from ._options import accumulation_dtype
 from ._settings import current as settings
-from .interface import _autocast, _number
+from ._validation import autocast_inputs, check_head, check_heads_match, checked_divergence_options, refuse_dtensor
 
 __all__ = ["fused_linear_divergence", "TrlDivergence"]
 
@@ -246,24 +245,6 @@ def _recomputed(hidden, weight, bias, teacher, grad_divergence, spec: _Spec, wan
     return grad_hidden, grad_weight, grad_bias
 
 
-def _checked(name: str, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
-    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{name}_hidden (..., H) and {name}_weight (V, H) do not match: {tuple(hidden.shape)}, "
-                         f"{tuple(weight.shape)}")
-    if not hidden.is_floating_point() or {weight.dtype, hidden.dtype, weight.dtype if bias is None else bias.dtype} \
-            != {hidden.dtype}:
-        raise TypeError(f"{name}_hidden, {name}_weight and {name}_bias must share one floating dtype")
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"{name}_bias must be (V,) = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
-
-
-def _checked_softcap(name: str, softcap) -> float | None:
-    softcap = _number(name, softcap)
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"{name} must be None or a finite number > 0, got {softcap!r}")
-    return softcap
-
-
 def fused_linear_divergence(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -300,31 +281,15 @@ def fused_linear_divergence(
         fp32 logits and fp32 sums for 16-bit inputs, the student's gradient over its logits
         rounded to the inputs' dtype before its two products, as the loss's.
     """
-    if has_dtensor(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias):
-        raise TypeError("fused_linear_divergence takes plain tensors: gather DTensor inputs first (full_tensor())")
-    student_hidden, student_weight, student_bias = _autocast(student_hidden, student_weight, student_bias)
-    teacher_hidden, teacher_weight, teacher_bias = _autocast(teacher_hidden, teacher_weight, teacher_bias)
-    _checked("student", student_hidden, student_weight, student_bias)
-    _checked("teacher", teacher_hidden, teacher_weight, teacher_bias)
-    if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(f"the student's vocabulary ({student_weight.shape[0]}) and the teacher's "
-                         f"({teacher_weight.shape[0]}) differ")
-    if student_hidden.shape[:-1] != teacher_hidden.shape[:-1]:
-        raise ValueError(f"student_hidden {tuple(student_hidden.shape)} and teacher_hidden "
-                         f"{tuple(teacher_hidden.shape)} have different leading shapes")
-    if len({t.device for t in (student_hidden, student_weight, teacher_hidden, teacher_weight)}) > 1:
-        raise ValueError("the student's and the teacher's tensors must be on one device")
-    beta, temperature = _number("beta", beta), _number("temperature", temperature)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    scales = [_number(name, value) for name, value in (("student_logit_scale", student_logit_scale),
-                                                       ("teacher_logit_scale", teacher_logit_scale))]
-    if not all(math.isfinite(s) for s in scales):
-        raise ValueError(f"the logit scales must be finite, got {scales}")
-    spec = _spec(beta, temperature, scales[0], _checked_softcap("student_softcap", student_softcap), scales[1],
-                 _checked_softcap("teacher_softcap", teacher_softcap))
+    refuse_dtensor("fused_linear_divergence", student_hidden, student_weight, student_bias, teacher_hidden,
+                   teacher_weight, teacher_bias)
+    student_hidden, student_weight, student_bias = autocast_inputs(student_hidden, student_weight, student_bias)
+    teacher_hidden, teacher_weight, teacher_bias = autocast_inputs(teacher_hidden, teacher_weight, teacher_bias)
+    check_head("student", student_hidden, student_weight, student_bias)
+    check_head("teacher", teacher_hidden, teacher_weight, teacher_bias)
+    check_heads_match(student_hidden, student_weight, teacher_hidden, teacher_weight)
+    spec = _spec(*checked_divergence_options(beta, temperature, student_logit_scale, student_softcap,
+                                             teacher_logit_scale, teacher_softcap))
     leading = student_hidden.shape[:-1]
     divergence, entropy = _apply(
         student_hidden.reshape(-1, student_hidden.shape[-1]), student_weight, student_bias,

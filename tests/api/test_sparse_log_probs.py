@@ -119,6 +119,27 @@ def test_one_id_a_row_is_the_per_token_call(flce, path):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("budget", ["recomputed", "kept"])
+def test_rows_whose_gradient_is_the_other_ids_alone(flce, path, tune, budget):
+    """An upstream of 0 at a row's first id and opposite values at two others: the row's lse and
+    loss coefficients are 0, yet its grad logits are not. Such rows (the even ones; the odd ones
+    have an lse gradient) must not be left out of a backward of several chunks, kept or not."""
+    tune(chunk_rows=2, keep_mib={"kept": 1}.get(budget, 0), keep_rows={"kept": 5}.get(budget))
+    hidden, weight, _, _ = make_sparse_inputs(12, 16, 37, 3, torch.float32, seed=13, device=path.device)
+    gen = torch.Generator().manual_seed(14)
+    ids = torch.stack([torch.randperm(37, generator=gen)[:3] for _ in range(12)]).to(path.device)
+    a = torch.rand(12, generator=gen, dtype=torch.float64) + 0.5
+    upstream = torch.stack([torch.zeros_like(a), a, -a], dim=1)
+    upstream[1::2, 2] *= 0.5
+    upstream = upstream.to(path.device)
+    got = flce.fused_linear_log_probs(hidden, weight, ids)
+    (got.log_probs.double() * upstream).sum().backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    (reference(h64, w64, ids)["log_probs"] * upstream).sum().backward()
+    assert_rel(hidden.grad, h64.grad, tolerance(torch.float32, "grad"), "grad_hidden")
+    assert_rel(weight.grad, w64.grad, tolerance(torch.float32, "grad"), "grad_weight")
+
+
 def test_empty_batch(flce, path):
     hidden, weight, ids, _ = make_sparse_inputs(0, 8, 29, 4, torch.float32, seed=11, device=path.device)
     got = flce.fused_linear_log_probs(hidden, weight, ids, outputs=("log_probs", "entropy"))

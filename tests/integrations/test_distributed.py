@@ -1,5 +1,5 @@
 """Vocabulary-parallel loss over torch.distributed (gloo on the CPU here, NCCL on GPUs through
-scripts/gpu-distributed): every rank holds a slice of weight's rows, and must get exactly
+scripts/gpu_distributed.py): every rank holds a slice of weight's rows, and must get exactly
 the loss, metrics and grad_hidden of the unsharded computation, and its slice's gradients."""
 
 import json
@@ -202,10 +202,10 @@ def _check_dtensor(flce, rank, world, device="cpu"):
 
 def _check_case(flce, rank, world, case, device="cpu"):
     """One case on this rank, with the inputs on ``device`` (gloo on the CPU; NCCL on a GPU, from
-    scripts/distributed_check.py), against the float64 reference on the full weight."""
+    scripts/gpu_distributed.py), against the float64 reference on the full weight."""
     torch.manual_seed(0)  # the same inputs on every rank
     n, hidden_size, vocab = 23, 24, 67  # 67 does not split evenly over 2 or 3 ranks
-    dtype = getattr(torch, case.pop("dtype", "float32"))  # a name: scripts/distributed_check.py writes cases to JSON
+    dtype = getattr(torch, case.pop("dtype", "float32"))  # a name: scripts/gpu_distributed.py writes cases to JSON
     hidden = torch.randn(n, hidden_size, dtype=dtype)
     weight = torch.randn(vocab, hidden_size, dtype=dtype) * 0.5
     bias = torch.randn(vocab, dtype=dtype) if case.pop("bias", False) else None
@@ -251,7 +251,7 @@ def _check_case(flce, rank, world, case, device="cpu"):
     assert all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors; GPUs run scripts/gpu-distributed")
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU tensors; GPUs run scripts/gpu_distributed.py")
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_matches_unsharded(world, tmp_path):
     error_file = tmp_path / "errors.txt"

@@ -1,7 +1,7 @@
 """A patched tiny Llama trained inside FSDP2, DDP and tensor parallelism on 2 gloo CPU processes
 (fp32) gives, step by step, the global loss and metrics of one process training the unpatched
-model on the whole batch, and the same final parameters (tests/_engines.py; on GPUs,
-scripts/gpu-distributed runs the same checks over NCCL)."""
+model on the whole batch, and the same final parameters (tests/_ranks.py; on GPUs,
+scripts/gpu_distributed.py runs the same checks over NCCL)."""
 
 import datetime
 import os
@@ -25,7 +25,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        from _engines import ENGINES, check_engine
+        from _ranks import ENGINES, check_engine
         from kernels import get_kernel
 
         flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
@@ -52,7 +52,7 @@ def outcomes(tmp_path_factory):
     return {path.name: path.read_text() for path in out_dir.iterdir()}
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU processes; GPUs run scripts/gpu-distributed")
+@pytest.mark.skipif(DEVICE != "cpu", reason="gloo on CPU processes; GPUs run scripts/gpu_distributed.py")
 @pytest.mark.parametrize("engine", ["fsdp2", "fsdp2-tied", "ddp", "tp"])
 def test_engine_matches_one_process(outcomes, engine):
     for rank in range(WORLD):

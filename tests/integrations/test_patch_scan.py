@@ -1,8 +1,8 @@
 """``patch_forward`` on every causal-LM class of transformers: the patched model's loss and gradients
 are its own forward's, or it is refused with the reason. Each model type is built tiny from its
 default config (tests/_patch_scan.py); those that do not build are listed, with the error, in
-tests/integrations/patch_scan.json (written with docs/patch-scan.md by scripts/patch_scan.py,
-which compares every model type). Here one model type of each distinct forward (``forward_key``:
+tests/integrations/patch_scan.json (written with docs/patch-scan.md by tests/_patch_scan.py run as a
+script, which compares every model type). Here one model type of each distinct forward (``forward_key``:
 88 for 189 types) is built and compared, and the others' models, built on the meta device, pass
 through ``patch_forward``'s checks (the same head code, their own config and attributes).
 The fused loss runs on the PyTorch path (TRITON_INTERPRET=0): what is tested is the head."""
@@ -57,21 +57,21 @@ def test_patched_model_has_its_own_loss_or_is_refused(flce, compared_for, model_
         if SAME_TRANSFORMERS:
             if model_type in LISTING["not_built"]:
                 pytest.skip(f"not built: {LISTING['not_built'][model_type]}")
-            assert model_type in LISTING["verified"], "rerun scripts/patch_scan.py"
+            assert model_type in LISTING["verified"], "rerun tests/_patch_scan.py"
         return
     if "refused" in outcome:
         assert REFUSED in outcome["refused"], outcome
         if SAME_TRANSFORMERS:
-            assert outcome["refused"] == LISTING["refused"].get(model_type), "rerun scripts/patch_scan.py"
+            assert outcome["refused"] == LISTING["refused"].get(model_type), "rerun tests/_patch_scan.py"
         return
     if "not_built" in outcome:
         if SAME_TRANSFORMERS:
-            assert outcome["not_built"] == LISTING["not_built"].get(model_type), "rerun scripts/patch_scan.py"
+            assert outcome["not_built"] == LISTING["not_built"].get(model_type), "rerun tests/_patch_scan.py"
         pytest.skip(f"not built: {outcome['not_built']}")
     assert matches(outcome), (f"{model_type}: loss {outcome['loss']} vs patched {outcome['fused_loss']} "
                               f"(rtol {LOSS_RTOL}); gradients {outcome['grad_rel_diff']:.2e} apart (rtol {GRAD_RTOL})")
     if SAME_TRANSFORMERS:
-        assert model_type in LISTING["verified"], "rerun scripts/patch_scan.py"
+        assert model_type in LISTING["verified"], "rerun tests/_patch_scan.py"
 
 
 @pytest.mark.parametrize("model_type, reason", [

@@ -1,5 +1,5 @@
 """scripts/train_fsdp.py, the FSDP2 training run of the fused and the logits loss, end to end at a
-toy size on 2 gloo CPU processes (on GPUs, scripts/gpu-distributed runs it at full size)."""
+toy size on 2 gloo CPU processes (on GPUs, scripts/gpu_distributed.py runs it at full size)."""
 
 import importlib.util
 import json

@@ -322,12 +322,20 @@ class _Gradients:
         self.group_chunks = 0
         self.group_size = weight_group(hidden.dtype)
         self.weight_sum = None
+        # (ids, coef) [N, K]: entries that the grad logits of each row take beside the softmax's, at
+        # those columns (the (N, K) log-probs' other ids, sparse.py), or None.
+        self.sparse_terms = None
 
     def add(self, start, end, hidden_c, grad_logits, weight, row_factor=None, backend=None, target_terms=None):
         """Adds the chunk [start, end) of the computed rows: grad logits G [rows, V], or with
         ``row_factor`` r [rows] and ``target_terms`` (c, targets) [rows] the factored
         G = diag(r) E' + diag(c) T (E' in ``grad_logits``), whose row factors
         ``backend.scale_rows`` applies on the products' small side."""
+        if self.sparse_terms is not None:
+            # Into G before its products: the sparse entries then cost no gather of weight's or
+            # hidden's rows, at the 16-bit rounding G already has.
+            ids, coef = (_chunk_of(t, self.row_order, start, end) for t in self.sparse_terms)
+            grad_logits.scatter_add_(1, ids, coef.to(grad_logits.dtype))
         self.add_hidden_grad(start, end, grad_logits, weight, row_factor, backend, target_terms)
         if self.grad_weight is not None:
             # G^T H = E'^T (diag(r) H) + T^T diag(c) H: the row factors ride on the chunk's
@@ -927,7 +935,8 @@ def _forward_result(results: RowResults, gradients: tuple, targets, opts: LossOp
 
 def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: LossOptions,
              grads: tuple[bool, bool, bool], shard: Shard | None = None, class_weight: torch.Tensor | None = None,
-             entropy_grad: torch.Tensor | None = None, kept: _kept.KeptRows | None = None):
+             entropy_grad: torch.Tensor | None = None, kept: _kept.KeptRows | None = None,
+             sparse_terms: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Gradients (hidden, weight, bias) by recomputation, for a per-row ``loss_grad`` [N]
     (d out / d loss_i, 0 on ignored rows), an optional ``lse_grad`` [N] and the ``class_weight``
     of the forward. With class weights, ``lse_grad`` carries the z-loss's gradient
@@ -935,7 +944,8 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``. Only the rows
     with a non-zero upstream gradient are computed (``_rows_with_gradient``); with ``kept`` (a
     per-token forward's ``_kept.KeptRows``, no shard) the kept rows from their buffers first, then
-    the others by recomputation."""
+    the others by recomputation. ``sparse_terms`` (ids, coef) [N, K] (no shard) are added to the
+    grad logits at those columns (``_Gradients.sparse_terms``)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
@@ -948,15 +958,19 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, opts: Loss
     local_class_weight = _local_class_weight(class_weight, opts, vocab_size, shard)
     chunk = _plan_chunk(backend, n_rows, vocab_size, hidden.shape[1], hidden.dtype, True, shard, weight_grad=grads[1])
     row_grads = [loss_grad, lse_grad, smooth_grad, entropy_grad]
+    if sparse_terms is not None:  # (a row with only sparse entries has a gradient too)
+        row_grads.append(sparse_terms[1].abs().sum(-1))
     if kept is not None:
         row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
         gradients = _Gradients(hidden, vocab_size, grads, chunk, row_order.chunks(chunk), row_order, shard)
+        gradients.sparse_terms = sparse_terms
         _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
                        (targets, lse, loss_grad, lse_grad, smooth_grad, entropy_grad), local_class_weight)
         return gradients.finish(hidden.dtype, bias, backend)
     # Under vocabulary parallelism every row is computed: the ranks' chunks must match.
     row_order = None if shard is not None or n_rows == 0 else _rows_with_gradient(backend, row_grads)
     gradients = _Gradients(hidden, vocab_size, grads, chunk, _cdiv(n_rows, chunk), row_order, shard)
+    gradients.sparse_terms = sparse_terms
     if shard is not None:
         targets = shard.local_targets(targets, vocab_size)
     if n_rows > 0:

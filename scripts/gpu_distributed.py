@@ -1,10 +1,24 @@
-"""The vocabulary-parallel checks of tests/test_distributed.py (DTensor weights included) and
-the FSDP2/DDP/tensor-parallel training checks of tests/_engines.py over NCCL, one process a GPU,
-then the throughput of issue 5 item 6 on the Llama-3 head (bf16, N = 8192, LM-like inputs):
-one rank's sharded training step against the unsharded step on one GPU divided by P, plus
-the same all-reduces timed alone.
+#!/usr/bin/env python3
+"""Everything that needs several GPUs of one machine (2 or more), over NCCL; JSON and logs go under
+$OUT (default ./gpu-out). NVLink multicast stays off (the device machines' rule).
 
-    torchrun --nproc-per-node <GPUs> scripts/distributed_check.py --out distributed.json
+    scripts/gpu_distributed.py [checks] [train] [maxseq]      (default: checks)
+
+    checks  vocabulary parallelism (DTensor weights included), the FSDP2/DDP/tensor-parallel
+            training checks and the sharded step's timing: distributed.json
+    train   scripts/train_fsdp.py: a 272M-parameter Llama (V = 128256) in FSDP2, bf16, S = 4096,
+            200 steps with the fused loss and with the logits loss: train_fsdp.json, train_fsdp_loss.png
+    maxseq  scripts/train_fsdp.py --max-seq: the longest sequence and largest batch each holds:
+            train_fsdp_maxseq.json
+
+Knobs: TRAIN_ARGS (extra arguments of train_fsdp.py in both of its stages), NPROC (processes;
+default one a GPU). On a CPU: NPROC=2 TRAIN_ARGS="--tiny --device cpu" scripts/gpu_distributed.py train maxseq
+
+The checks stage runs this file in every rank (``--rank-checks``, under torch.distributed.run):
+the vocabulary-parallel checks of tests/integrations/test_distributed.py and the engines'
+training checks of tests/_ranks.py over NCCL, one process a GPU, then the throughput of issue 5
+item 6 on the Llama-3 head (bf16, N = 8192, LM-like inputs): one rank's sharded training step
+against the unsharded step on one GPU divided by P, plus the same all-reduces timed alone.
 """
 
 import argparse
@@ -12,6 +26,8 @@ import datetime
 import importlib
 import json
 import os
+import shlex
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -21,8 +37,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))  # test_distributed's checks
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("LOCAL_KERNELS", f"qgallouedec/fused-linear-ce={ROOT}")
+STAGES = ("checks", "train", "maxseq")
 
 
 def _event_median_ms(fn, iters: int = 20, warmup: int = 5) -> float:
@@ -100,15 +118,14 @@ def throughput(flce, rank: int, world: int) -> dict:
             "slowest rank"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="distributed.json")
-    args = parser.parse_args()
+def rank_checks(out: str) -> None:
+    """One rank of the checks stage (under torch.distributed.run): every check, then the throughput;
+    rank 0 writes the JSON of all ranks' outcomes to ``out``."""
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from _engines import ENGINES, check_engine
+    from _ranks import ENGINES, check_engine
     from kernels import get_kernel
     from test_distributed import CASES, _check_case, _check_data_parallel, _check_dtensor, _check_metrics_bit_identity
 
@@ -144,10 +161,78 @@ def main() -> None:
                   "gpus": world, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                   "backend": "nccl", "ranks": gathered, "throughput": timing,
                   "ok": all(r["ok"] for ranks in gathered for r in ranks)}
-        Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+        Path(out).write_text(json.dumps(record, indent=1, default=str))
         print(json.dumps({"gpus": world, "ok": record["ok"], "throughput": timing}))
     dist.destroy_process_group()
 
 
+# ---- the launcher: one torch.distributed.run a stage ----------------------------------------
+def _environment() -> dict:
+    """The ranks' environment: NVLink multicast off, this checkout's kernel, and the wheels carried
+    to a device machine without network (.whl, installed once a machine under /tmp/site)."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "PYTHONUNBUFFERED": "1", "LOCAL_KERNELS": f"qgallouedec/fused-linear-ce={ROOT}"}
+    if (ROOT / ".whl").is_dir():
+        if not Path("/tmp/site/.installed").exists():
+            wheels = [str(path) for path in sorted((ROOT / ".whl").glob("*.whl"))]
+            installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", "/tmp/site",
+                                        *wheels]).returncode == 0
+            if installed:
+                Path("/tmp/site/.installed").touch()
+        env["PYTHONPATH"] = "/tmp/site:" + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(command: list[str], env: dict, log: Path | None) -> int:
+    """``command``'s exit status; its output also copied to ``log`` (as tee) when given."""
+    if log is None:
+        return subprocess.run(command, env=env, cwd=ROOT).returncode
+    with subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as process, log.open("w") as copy:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            copy.write(line)
+    return process.returncode
+
+
+def launch(stages: list[str]) -> int:
+    """Each stage under torch.distributed.run, one process a GPU (NPROC); 1 if one failed, 2 for
+    an unknown stage."""
+    out = ROOT / os.environ.get("OUT", "gpu-out")
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment()
+    nproc = os.environ.get("NPROC") or str(torch.cuda.device_count())
+    train_args = shlex.split(os.environ.get("TRAIN_ARGS", ""))
+    checks, train = str(Path(__file__).resolve()), str(ROOT / "scripts" / "train_fsdp.py")
+    status = 0
+    for stage in stages:
+        if stage == "checks":
+            command, log = [checks, "--rank-checks", "--out", str(out / "distributed.json")], None
+        elif stage == "train":
+            command, log = [train, "--out", str(out), *train_args], out / "train_fsdp.log"
+        elif stage == "maxseq":
+            command, log = [train, "--max-seq", "--out", str(out), *train_args], out / "train_fsdp_maxseq.log"
+        else:
+            print(f"unknown stage {stage}")
+            status = 2
+            continue
+        if _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, *command], env, log):
+            status = 1
+    return status
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stages", nargs="*", default=["checks"], help=f"among {STAGES}")
+    parser.add_argument("--rank-checks", action="store_true", help="one rank of the checks (the launcher passes it)")
+    parser.add_argument("--out", default="distributed.json", help="with --rank-checks: the JSON to write")
+    args = parser.parse_args()
+    if args.rank_checks:
+        rank_checks(args.out)
+        return 0
+    return launch(args.stages)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
