@@ -30,12 +30,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
-from fused_linear_ce import _kernels as K  # noqa: E402
+from fused_linear_ce import _elementwise_kernels, _row_kernels, _target_kernels, _tile_kernels  # noqa: E402
+
+KERNEL_MODULES = (_tile_kernels, _row_kernels, _target_kernels, _elementwise_kernels)
 
 BLOCK_N, BLOCK_V, BLOCK_K = 128, 256, 64  # the tuned configuration for bf16 on sm_90
 POINTERS = {"targets_ptr": "*i64", "tile_argmax_ptr": "*i32"}  # others: fp32, or bf16 for the inputs
 INPUTS = {"hidden_ptr": [BLOCK_N, BLOCK_K], "weight_ptr": [BLOCK_V, BLOCK_K], "out_ptr": [BLOCK_N, BLOCK_V]}
-INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows", "stride_hn", "stride_wv")
+INTEGERS = ("n_rows", "vocab_size", "hidden_size", "group_rows")
 FLOATS = ("logit_scale", "softcap", "label_smoothing", "z_loss_scale", "inv_vocab_size")
 # The launches' flags, as this script's --flags name them, and the arguments each one makes present
 # (absent arguments are None, a constant); modes 0, 1 and 3 are the statistics kernel's (0: no
@@ -55,7 +57,7 @@ ALWAYS = {"hidden_ptr", "weight_ptr", "targets_ptr", "tile_max_ptr", "tile_sum_e
 def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persistent: bool = True):
     """The compiled logit kernel for sm_90 in ``mode`` (statistics: 0, 1, 3; gradient: 2) with the
     ``flags`` (names of STATS_FLAGS / GRAD_FLAGS, default off but PICK_TARGET, and EVEN_V, EVEN_K)."""
-    kernel = K._tile_grad_kernel if mode == 2 else K._tile_stats_kernel
+    kernel = _tile_kernels._tile_grad_kernel if mode == 2 else _tile_kernels._tile_stats_kernel
     flag_args = GRAD_FLAGS if mode == 2 else STATS_FLAGS
     flags = {"PICK_TARGET": mode in (0, 1), **flags}
     present = set(ALWAYS)
@@ -66,8 +68,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
         present.add("out_ptr")
     if mode == 3:
         present.update(("row_ref_ptr", "loss_grad_ptr"))
-    store = use_tma and "out_ptr" in present
-    signature, constants = {}, {}
+    signature, constants = {}, {}  # (descriptors for the inputs with the copy engine: USE_TMA, TMA_STORE)
     for name in inspect.signature(kernel.fn).parameters:
         if name[0].isupper():
             signature[name] = "constexpr"
@@ -81,7 +82,7 @@ def compile_logit_kernel(mode: int, flags: dict, use_tma: bool = True, persisten
             signature[name] = "i32"
         else:
             signature[name] = "fp32"
-    constants.update(USE_TMA=use_tma, TMA_STORE=store, EVEN_K=flags.get("EVEN_K", True),
+    constants.update(EVEN_K=flags.get("EVEN_K", True),
                      EVEN_V=flags.get("EVEN_V", True), INPUT_PRECISION="ieee", PERSISTENT=persistent,
                      BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K)
     source = ASTSource(kernel, signature, constants)
@@ -138,7 +139,7 @@ def compile_row_kernel(name: str, flags_on: bool):
     """A per-row kernel compiled for sm_90 as its launches on contiguous main-head tensors
     compile it, its boolean constexprs all ``flags_on`` and its optional arguments (ROW_OPTIONAL)
     given (``flags_on``) or None."""
-    fn = getattr(K, name)
+    fn = next(getattr(module, name) for module in KERNEL_MODULES if hasattr(module, name))
     signature, constants, hints = {}, dict(ROW_KERNELS[name]), {}
     for index, (param_name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
         if not flags_on and param_name in ROW_OPTIONAL.get(name, ()):

@@ -107,7 +107,8 @@ class Backend(Protocol):
 @runtime_checkable
 class FactoredBackend(Backend, Protocol):
     """A backend whose training chunks can keep exponentials and factor their gradient as
-    diag(r) E' + diag(c) T (see ``_kernels``); called only where the plan (``_plan.factored_gradient``) says so."""
+    diag(r) E' + diag(c) T (see ``_row_kernels``); called only where the plan (``_plan.factored_gradient``) says
+    so."""
 
     def row_reference(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       opts: LossOptions, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +121,7 @@ class FactoredBackend(Backend, Protocol):
                     opts: LossOptions, take_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Makes the stored exponentials E' in place; returns (r, c) [rows] fp32 with
         G = diag(r) E' + diag(c) T: c is the target entry of the rows whose ``take_out`` flag
-        [rows] int8 takes it out of the products (0 in E' there; ``_kernels._factor_rows``), 0
+        [rows] int8 takes it out of the products (0 in E' there; ``_row_kernels._factor_rows``), 0
         elsewhere (None: every entry stays in)."""
 
     def factored_sweep(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,

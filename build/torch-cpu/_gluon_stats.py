@@ -1,6 +1,6 @@
 """The logit sweeps' tile statistics on Hopper in Gluon, Triton's lower-level dialect (docs/design.md, 59).
 
-The logit kernel (``_kernels._tile_stats_kernel``) computes 128 x 256 tiles with two warpgroups.
+The logit kernel (``_tile_kernels._tile_stats_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
 accumulator, wgmma m64n256k16), and all three read one shared-memory ring that holds, for each
 K step, three 64-row blocks of hidden and one 256-row block of weight. A tile then reads
@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._kernels import LOG2E, REFERENCE_GAP
+from ._kernel_math import LOG2E, REFERENCE_GAP
 
 ROWS_PER_GROUP = gl.constexpr(64)  # a warpgroup's rows of a tile
 GROUPS = gl.constexpr(3)  # warpgroups a tile
@@ -120,7 +120,7 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
                    EVEN_V: gl.constexpr):
     """Each of warpgroup ``which``'s 64 rows: the tile's max and sum of exp(z - m), m the tile max;
     in the training sweep (the logit kernel's factored sweep, ``_stores_exp``), m is the row's reference
-    unless the tile max passes it by more than REFERENCE_GAP (``_kernels._exp_reference``), and
+    unless the tile max passes it by more than REFERENCE_GAP (``_kernel_math._exp_reference``), and
     exp(z - m) goes to the chunk buffer (0 on rows without gradient). ``out``: what the epilogue
     writes and reads, (tile_max, tile_sum[, row_ref, loss_grad, the buffer's descriptor, the
     staging tiles])."""
@@ -140,7 +140,7 @@ def _tile_epilogue(acc, out, n_rows, vocab_size, num_col_tiles, pid_n, pid_v, wh
     if STORE_EXP:
         row_ref = gl.load(out[2] + rows, mask=row_mask, other=0.0)
         reference = gl.where(tile_max > row_ref + REFERENCE_GAP, tile_max, row_ref)
-    exp_shifted = gl.exp2((acc - reference[:, None]) * LOG2E)  # as the logit kernel (``_kernels.LOG2E``)
+    exp_shifted = gl.exp2((acc - reference[:, None]) * LOG2E)  # as the logit kernel (``_kernel_math.LOG2E``)
     sum_exp = gl.sum(exp_shifted, axis=1)
     stat = rows.to(gl.int64) * num_col_tiles + pid_v
     gl.store(tile_max_ptr + stat, tile_max, mask=row_mask)

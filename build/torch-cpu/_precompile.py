@@ -20,6 +20,7 @@ compiles what it lacks at its launch, as without this module.
 
 import contextlib
 import functools
+import importlib
 import json
 import os
 import signal
@@ -33,18 +34,16 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from . import _kernels, _plan
+from . import _plan
 
 _warmed: set[tuple[str, int]] = set()
 _lock = threading.Lock()
 
 
 def _kernel(module: str, name: str):
-    if module == "_gluon_stats":
-        from . import _gluon_stats as gluon  # sm_90 with a Triton whose Gluon it supports
-
-        return getattr(gluon, name)
-    return getattr(_kernels, name)
+    """The kernel ``name`` of this package's ``module`` (``_gluon_stats`` only with a Triton whose
+    Gluon it supports, on sm_90)."""
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
 @functools.cache
@@ -68,7 +67,7 @@ def _pending(kind: str, device: int, table: dict) -> list[tuple]:
     for entry in table["kinds"].get(kind, ()):
         try:
             kernel = _kernel(entry["module"], entry["kernel"])
-        except (ImportError, AttributeError):  # no Gluon here, or a kernel renamed since the recording
+        except (ImportError, AttributeError):  # no Gluon here, or a kernel moved or renamed since the recording
             continue
         if entry["key"] not in kernel.device_caches[device][0]:
             pending.append((kernel, entry["data"]))

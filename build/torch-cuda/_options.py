@@ -163,7 +163,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class RowStats:
-    """Merged softmax statistics of a block of rows, all [rows]; see ``_kernels`` for the maths.
+    """Merged softmax statistics of a block of rows, all [rows]; see ``_kernel_math`` for the maths.
 
     ``sum_exp`` and ``entropy_term`` are relative to ``row_max``; ``target_logit`` is NaN
     where no vocabulary entry matched the target (ignored or out of range).

@@ -149,7 +149,7 @@ def _grad_in_place(probs, probs_scale, targets, lse, loss_grad, lse_grad, opts: 
                    bias_grad_acc, class_weight=None, smooth_grad=None, entropy_grad=None,
                    log_probs=None) -> torch.Tensor:
     """Turns ``probs`` [rows, V] (the softmax, times ``probs_scale`` [rows] when given) into
-    d out / d u in place (see ``_kernels`` for the maths); adds its column sums to
+    d out / d u in place (see ``_kernel_math`` for the maths); adds its column sums to
     ``bias_grad_acc`` unless it is None. With label smoothing, ``class_weight`` [V] and
     ``smooth_grad`` [rows] weight the smoothing term. With ``entropy_grad`` [rows] (d out / d H_i,
     its -e_i H_i part already in ``lse_grad``), ``log_probs`` [rows, V] (log p, overwritten) adds
@@ -204,7 +204,7 @@ def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
 
 def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """[2] fp32: 1 if ``row_grad`` is one value c on every row with a target (else 0), then -c / w
-    with w = 1 / their count (``_kernels._mean_grad_ratio_kernel``)."""
+    with w = 1 / their count (``_target_kernels._mean_grad_ratio_kernel``)."""
     valid = targets != ignore_index
     # c: the first row with a target's gradient, 0 where none has one (an empty batch too), as the kernel
     first = torch.argmax(torch.cat([valid, valid.new_ones(1)]).to(torch.int8))

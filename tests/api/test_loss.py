@@ -272,6 +272,8 @@ def _layout(kind, n, h, v, dtype, seed):
         hidden = torch.randn(n * h + 1, generator=gen).to(DEVICE, dtype)[1:].view(n, h)
     elif kind == "weight_transposed":  # a transposed view of an (h, v) tensor
         weight = (torch.randn(h, v, generator=gen) / h**0.5).to(DEVICE, dtype).t()
+    elif kind == "weight_column_slice":  # the first h columns of a (v, h + 8) tensor: rows h + 8 apart
+        weight = (torch.randn(v, h + 8, generator=gen) / h**0.5).to(DEVICE, dtype)[:, :h]
     return hidden.detach().requires_grad_(), weight.detach().requires_grad_()
 
 
@@ -295,7 +297,8 @@ def _spy_tma(monkeypatch, flce):
 
 
 # (layout, whether TMA descriptors can describe it: rows 16-byte aligned; a tensor whose columns
-# are not adjacent is copied before the logit kernels, which read unit column strides)
+# are not adjacent is copied once a call, and one whose rows are not H apart once a chunk, before the
+# logit kernels, which read contiguous rows)
 LAYOUTS = {
     "contiguous": True,
     "hidden_row_stride": True,
@@ -303,6 +306,7 @@ LAYOUTS = {
     "hidden_column_stride": True,
     "hidden_offset_misaligned": False,
     "weight_transposed": True,
+    "weight_column_slice": True,
 }
 
 
@@ -316,7 +320,7 @@ def test_layouts_and_load_paths(flce, tune, monkeypatch, layout, tma):
     dtype = torch.float32
     hidden, weight = _layout(layout, 21, H, V, dtype, seed=len(layout))
     assert hidden.is_contiguous() == (layout in ("contiguous", "hidden_offset_aligned", "weight_transposed",
-                                                  "hidden_offset_misaligned"))
+                                                  "hidden_offset_misaligned", "weight_column_slice"))
     targets = torch.randint(0, V, (21,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     loss, metrics = flce.fused_linear_cross_entropy(hidden, weight, targets, return_metrics=True)
     loss.backward()
@@ -500,7 +504,7 @@ def test_training_skips_ignored_rows_and_factors_the_gradient(flce, tune, monkey
     in place."""
     tune(chunk_rows=8)
     backend = submodule(flce, "_triton_backend")
-    gap = float(submodule(flce, "_kernels").REFERENCE_GAP.value)
+    gap = float(submodule(flce, "_kernel_math").REFERENCE_GAP.value)
     swept_rows, references, row_maxes = [], [], []
     row_reference, factored_rows = backend.row_reference, backend.factored_rows
 
@@ -586,7 +590,7 @@ def test_row_factors_keep_or_take_out_each_target_entry(flce):
     # rows 13 and 15 give their target little probability (p_t < 2^-10)
     logits[[13, 15], columns[[13, 15]]] -= 3.0
     # even rows: OUT_ALWAYS; odd rows OUT_IF_IMPROBABLE, but row 13: 0 (stays in, improbable or not)
-    kernels = submodule(flce, "_kernels")
+    kernels = submodule(flce, "_kernel_math")
     take_out = torch.where(torch.arange(rows) % 2 == 0, kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value)
     take_out[13] = 0
     take_out = take_out.to(torch.int8)
@@ -718,7 +722,7 @@ def test_add_target_rows_reaches_entries_past_2_31(flce):
 @pytest.mark.parametrize("options", [dict(), dict(bias=True), dict(softcap=4.0)], ids=["plain", "bias", "softcap"])
 def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkeypatch, options):
     """A statistics sweep does not pick the target logit in its tiles (no target_logit for it: a compare
-    and a select a logit fewer) but takes it from the tensor-core product of ``_picked_logits``,
+    and a select a logit fewer) but takes it from the tensor-core product of ``picked_logits``,
     with the tiles' bias, scale and softcap; the tiles pick it where ``_target_logit_by_product``
     says no (fp64 inputs; forced here). The per-row losses of both are equal to fp32 rounding, and
     the reference's. Chunks of 8 rows with 20% ignored: the target logits of every chunk land in
@@ -756,18 +760,18 @@ def test_forward_sweep_leaves_the_target_logit_to_the_product(flce, tune, monkey
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training_with_bias"])
 def test_unfactored_sweeps_take_every_target_logit_in_one_launch(flce, tune, monkeypatch, training):
     """Without the factored gradient (a forward, or training with a bias), every row's target
-    logit comes from one ``_picked_logits`` call before the chunks, the rows of the step's order
+    logit comes from one ``picked_logits`` call before the chunks, the rows of the step's order
     read in place (all of them, the ignored ones last), over several chunks (a forward's: at
     least 128 rows). The losses and gradients are the reference's."""
-    backend = submodule(flce, "_triton_backend")
+    target_kernels = submodule(flce, "_target_kernels")
     picked_rows = []
-    picked_logits = backend._picked_logits
+    picked_logits = target_kernels.picked_logits
 
     def recording_picked_logits(hidden, weight, targets, opts, bias=None, rows=None):
         picked_rows.append(targets.shape[0])
         return picked_logits(hidden, weight, targets, opts, bias, rows=rows)
 
-    monkeypatch.setattr(backend, "_picked_logits", recording_picked_logits)
+    monkeypatch.setattr(target_kernels, "picked_logits", recording_picked_logits)
     n_rows, chunk = (37, 8) if training else (300, 128)
     tune(chunk_rows=chunk)
     hidden, weight, targets, bias = make_inputs(n_rows, H, V, torch.float32, seed=53, bias=training, ignore=0.2,

@@ -160,7 +160,7 @@ def test_the_training_sweep_stores_the_exponentials_of_float64(flce, n, h, v):
     assert (tile_max.double() - expected_max).abs().max().item() <= bound
     # The reference each tile took, from the kernel's own tile max (float64's is within bound of
     # it, and the choice is a comparison of that max with B_i + 40).
-    gap = submodule(flce, "_kernels").REFERENCE_GAP.value
+    gap = submodule(flce, "_kernel_math").REFERENCE_GAP.value
     reference = torch.where(tile_max > row_ref[:, None] + gap, tile_max, row_ref[:, None]).double()
     reference = reference.repeat_interleave(256, dim=1)[:, :v]
     exponentials = (z - reference).exp()
@@ -169,7 +169,7 @@ def test_the_training_sweep_stores_the_exponentials_of_float64(flce, n, h, v):
     # twice with a tile max as reference: z and m), fp32 exp and sums, and bf16's rounding of
     # the stored values (8 significant bits: at most 2^-8 relative; 2^-8 is reached on these
     # 49M entries). Exponentials below fp32's smallest normal (2^-126, z - m < -87.3) flush to 0
-    # (exp2's .ftz form, ``_kernels.LOG2E``): those are checked within 2^-126, absolutely.
+    # (exp2's .ftz form, ``_kernel_math.LOG2E``): those are checked within 2^-126, absolutely.
     expected_sums = torch.nn.functional.pad(exponentials, (0, tiles * 256 - v)).view(n, tiles, 256).sum(dim=2)
     assert_rel(tile_sum / expected_sums, torch.ones_like(expected_sums), 2 * bound + 256 * 2.0**-22,
                "sum of exponentials")

@@ -256,7 +256,7 @@ def test_rare_target_rows_flag_the_targets_of_few_rows(flce, monkeypatch):
     with a target in this weight's columns (ignored ones, also with an ignore_index inside the
     vocabulary, and other ranks' columns count for nothing, and are flagged 0); ``rare_target`` -1
     turns the rule off."""
-    chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernels")
+    chunked, kernels = submodule(flce, "_chunked"), submodule(flce, "_kernel_math")
     backend = submodule(flce, "_triton_backend")
     always, if_improbable = kernels.OUT_ALWAYS.value, kernels.OUT_IF_IMPROBABLE.value
     targets = torch.tensor([3, 3, 3, 1, 1, 4, -100, 9, 0, 2, 2, 2, 2, 5, 5, 5])  # V = 8: 9 is another rank's

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from ._kernels import _tanh
+from ._kernel_math import _tanh
 
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 

@@ -1,30 +1,40 @@
-"""Launch layer of the Triton kernels: pick a configuration, allocate, build the grid, launch.
+"""The Triton backend (``_backend``'s contract): which configuration, tile width and chunk a call
+takes, the logit kernels' launch, and the launchers of the other kernels, from the modules that
+hold them (``_tile_kernels``, ``_row_kernels``, ``_target_kernels``, ``_elementwise_kernels``).
 
 One call handles one chunk of rows; the chunk loop and the matrix products live in
 ``_chunked``. Under ``TRITON_INTERPRET=1`` the same launches run on CPU tensors.
 """
 
-import os
 import warnings
-from typing import NamedTuple
 
 import torch
 import triton
-import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import _kernels as K
-from . import _plan, _precompile
-from ._options import LossOptions, RowResults, RowStats, accumulation_dtype
+from . import _plan, _precompile, _target_kernels
+from . import _tile_kernels as K
+from ._elementwise_kernels import scale_, scale_rows, zero_rows
+from ._launch import contiguous_rows, input_precision, interpreting, scale_and_cap, smoothing_and_z_loss, unit_columns
+from ._options import LossOptions, accumulation_dtype
+from ._row_kernels import (
+    FactoredSweep,
+    TileState,
+    factored_rows,
+    finalize,
+    grad_from_kept,
+    grad_from_stored,
+    row_factors,
+)
+from ._target_kernels import mean_grad_ratio, order_rows, take_out_flags, targets_out_of_range
+from ._tile_kernels import combine_tiles, new_row_stats
+
+# The backend's functions (``_backend.Backend``) that the kernels' modules define: their launchers.
+__all__ = ["factored_rows", "finalize", "grad_from_kept", "grad_from_stored", "mean_grad_ratio", "order_rows",
+           "row_factors", "scale_", "scale_rows", "take_out_flags", "targets_out_of_range", "zero_rows"]
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Triton decides at decoration time whether a kernel is interpreted.
 KERNELS_INTERPRETED = isinstance(K._tile_stats_kernel, InterpretedFunction)
 
 
@@ -96,14 +106,6 @@ def hardware(device: torch.device) -> _plan.Hardware:
     return _plan.Hardware("triton", programs=_max_programs(device), gluon_tile=tile, capability=_capability(device))
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs follow PyTorch's matmul precision: "highest" gets 3xTF32 (about fp32
-    # accuracy on the tensor cores), "high"/"medium" get TF32.
-    if dtype != torch.float32:
-        return "ieee"  # ignored for 16-bit operands
-    return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) can move these 2-D tensors: Hopper or newer, rows
     contiguous and 16-byte aligned."""
@@ -137,33 +139,9 @@ def precompile(kind: str, device: torch.device) -> None:
 
 
 # ---- launches ---------------------------------------------------------------------------
-class TileState(NamedTuple):
-    """What a chunk's sweep leaves for its gradient: each (row, tile)'s max [rows, num_tiles]
-    and the tile width it was swept with, which the passes over its buffer must use too."""
-
-    tile_max: torch.Tensor
-    block_v: int
-
-
-def _acc_dtype(dtype: torch.dtype):
-    """The kernels' ACC_DTYPE for inputs of ``dtype``."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def _smoothing_and_z_loss(opts: LossOptions) -> tuple:
-    """(label_smoothing, z_loss_scale) as the kernels take them: None where absent (0)."""
-    return (float(opts.label_smoothing) if opts.has_smoothing else None,
-            float(opts.z_loss_scale) if opts.has_z_loss else None)
-
-
 def _group_rows(hidden: torch.Tensor) -> int:
     """Rows of a tile group of the logit kernel: the plan's (``_plan.group_rows``)."""
     return _plan.group_rows(hidden.shape[1], hidden.element_size())
-
-
-def _unit_columns(t: torch.Tensor) -> bool:
-    """Whether the columns of ``t`` [rows, C] are adjacent (``_chunked.unit_columns`` sees to it)."""
-    return t.stride(1) == 1 or t.shape[1] <= 1
 
 
 def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, block_v: int) -> None:
@@ -171,11 +149,14 @@ def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, 
     (row block, vocabulary tile) of ``hidden`` [rows, H] @ ``weight`` [V, H].T. ``pointers``: the
     kernel's pointer arguments after hidden and weight, ``out`` (the buffer [rows, V], contiguous, or
     None) among them; ``scalars``: its scalar arguments, None where absent. The kernels read hidden
-    and weight with unit column strides (``_chunked.unit_columns``)."""
+    and weight as contiguous [rows, H] and [V, H] (``_launch.contiguous_rows``); descriptors where
+    the copy engine moves them."""
     n_rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    assert _unit_columns(hidden) and _unit_columns(weight), "the logit kernels read unit column strides"
+    assert unit_columns(hidden) and unit_columns(weight), "columns made adjacent once a call (_chunked.unit_columns)"
     assert out is None or out.stride() == (vocab_size, 1), "the logit kernels store to a contiguous [rows, V]"
+    # The kernels derive the row strides from H: rows of a strided view are copied (a chunk's).
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     # The copy engine loads hidden and weight, and stores the chunk buffer, where their rows
     # are aligned; block shapes are set per configuration (``_set_descriptor_blocks``).
     use_tma = _tma_ok(hidden, weight)
@@ -186,10 +167,10 @@ def _launch_tiles(kernel, hidden, weight, out, pointers: tuple, scalars: tuple, 
     pointers = tuple(out_arg if p is out and out is not None else p for p in pointers)
     args = (
         hidden_arg, weight_arg, *pointers,
-        n_rows, vocab_size, hidden_size, _group_rows(hidden), hidden.stride(0), weight.stride(0), *scalars,
+        n_rows, vocab_size, hidden_size, _group_rows(hidden), *scalars,
     )
-    meta = dict(USE_TMA=use_tma, TMA_STORE=tma_store, EVEN_K=hidden_size % 128 == 0,
-                EVEN_V=vocab_size % block_v == 0, INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_V=block_v)
+    meta = dict(EVEN_K=hidden_size % 128 == 0, EVEN_V=vocab_size % block_v == 0,
+                INPUT_PRECISION=input_precision(hidden.dtype), BLOCK_V=block_v)
     # What a launch's configuration may depend on: the kernel, dtypes, sizes and which arguments are None.
     key = (kernel.fn.__name__, hidden.dtype, None if out is None else out.dtype, hidden_size, vocab_size,
            *(p is None for p in pointers), *(s is None for s in scalars), use_tma, tma_store, meta["EVEN_K"],
@@ -242,7 +223,7 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
     if pick_target:  # written by the tile that holds each row's target
         target_logit = torch.full((n_rows,), float("nan"), device=device, dtype=acc_dtype)
     elif target_logit is None:
-        target_logit = _picked_logits(hidden, weight, targets, opts, bias)[1]
+        target_logit = _target_kernels.picked_logits(hidden, weight, targets, opts, bias)[1]
     factored = shifted_out is not None and row_ref is not None
     gluon = None
     plain_stats = shifted_out is None and not pick_target and row_ref is None and not (logit_sum or sum_sq)
@@ -255,14 +236,8 @@ def _sweep(hidden, weight, bias, targets, opts: LossOptions, shifted_out, row_re
         return tile_stats, target_logit, block_v, num_tiles
     pointers = (bias, targets, *tile_stats, target_logit if pick_target else None, shifted_out, row_ref,
                 loss_grad if factored else None, class_weight if tile_stats[4] is not None else None)
-    _launch_tiles(K._tile_stats_kernel, hidden, weight, shifted_out, pointers, _scale_and_cap(opts), block_v)
+    _launch_tiles(K._tile_stats_kernel, hidden, weight, shifted_out, pointers, scale_and_cap(opts), block_v)
     return tile_stats, target_logit, block_v, num_tiles
-
-
-def _scale_and_cap(opts: LossOptions) -> tuple:
-    """(logit_scale, softcap) as the logit kernels take them: None for a scale of 1, no softcap."""
-    scale = float(opts.logit_scale)
-    return None if scale == 1.0 else scale, float(opts.softcap) if opts.has_softcap else None
 
 
 _gluon_stats = None
@@ -308,20 +283,6 @@ def _gluon_tile_stats(gluon, hidden, weight, tile_max, tile_sum_exp, device, row
     return True
 
 
-def _new_row_stats(n_rows: int, target_logit, opts: LossOptions, return_metrics: bool, f32: dict,
-                   logit_sum: bool = False, sum_sq: bool = False) -> RowStats:
-    device = f32["device"]
-    return RowStats(
-        row_max=torch.empty(n_rows, **f32),
-        sum_exp=torch.empty(n_rows, **f32),
-        target_logit=target_logit,
-        entropy_term=torch.empty(n_rows, **f32) if return_metrics else None,
-        argmax=torch.empty(n_rows, device=device, dtype=torch.int64) if return_metrics else None,
-        logit_sum=torch.empty(n_rows, **f32) if opts.has_smoothing or logit_sum else None,
-        sum_sq=torch.empty(n_rows, **f32) if sum_sq else None,
-    )
-
-
 def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None, row_ref=None, loss_grad=None,
               class_weight=None, target_logit=None, return_metrics=False, logit_sum=False, sum_sq=False):
     """Softmax statistics of a chunk of rows; with ``shifted_out`` [rows, V] also stores
@@ -338,27 +299,9 @@ def row_stats(hidden, weight, bias, targets, opts: LossOptions, shifted_out=None
     tile_stats, target_logit, block_v, num_tiles = _sweep(hidden, weight, bias, targets, opts, shifted_out, row_ref,
                                                           loss_grad, class_weight, target_logit, return_metrics,
                                                           logit_sum=logit_sum, sum_sq=sum_sq)
-    stats = _new_row_stats(n_rows, target_logit, opts, return_metrics, f32, logit_sum=logit_sum, sum_sq=sum_sq)
-    block_r = 16
-    K._combine_tiles_kernel[(triton.cdiv(n_rows, block_r),)](
-        *tile_stats[:5], stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax, stats.logit_sum, row_ref,
-        tile_stats[5], stats.sum_sq,
-        n_rows, num_tiles,
-        BLOCK_R=block_r,
-        BLOCK_T=min(128, triton.next_power_of_2(num_tiles)),
-        ACC_DTYPE=_acc_dtype(hidden.dtype),
-    )
+    stats = new_row_stats(n_rows, target_logit, opts, return_metrics, f32, logit_sum=logit_sum, sum_sq=sum_sq)
+    combine_tiles(tile_stats, stats, row_ref, num_tiles)
     return stats, TileState(tile_stats[0], block_v)
-
-
-class FactoredSweep(NamedTuple):
-    """What a factored chunk's sweep leaves for its rows' pass (``factored_rows``)."""
-
-    tile_stats: tuple  # (max, sum_exp, entropy term, argmax) [rows, num_tiles], the last two None without metrics
-    row_ref: torch.Tensor  # [rows] fp32 B
-    target_logit: torch.Tensor  # [rows] fp32
-    block_v: int
-    num_tiles: int
 
 
 def factored_sweep(hidden, weight, targets, opts: LossOptions, buffer, loss_grad, return_metrics=False,
@@ -372,54 +315,6 @@ def factored_sweep(hidden, weight, targets, opts: LossOptions, buffer, loss_grad
     return FactoredSweep(tile_stats[:4], row_ref, target_logit, block_v, num_tiles)
 
 
-def factored_rows(sweep: FactoredSweep, hidden, targets, opts: LossOptions, buffer, loss_grad, out: RowResults,
-                  scaled_hidden=None, return_metrics=False, take_out=None):
-    """The pass over a factored chunk's rows after its sweep, in one launch: what ``row_stats``'
-    merge, ``finalize`` (into ``out``) and ``row_factors`` do, and with ``scaled_hidden`` [rows, H]
-    (contiguous) also diag(r) hidden written there. ``take_out`` [rows] int8 (None: none) flags the
-    rows whose target entry leaves the products. Returns (stats, r, c): r and c [rows] fp32,
-    G = diag(r) E' + diag(c) T (see ``_kernels``)."""
-    n_rows, hidden_size = hidden.shape
-    vocab_size = buffer.shape[1]
-    device = hidden.device
-    assert _unit_columns(hidden) and buffer.stride() == (vocab_size, 1)
-    assert sweep.num_tiles == triton.cdiv(vocab_size, sweep.block_v)
-    stats = _new_row_stats(n_rows, sweep.target_logit, opts, return_metrics, dict(device=device, dtype=torch.float32))
-    row_factor = torch.empty(n_rows, device=device, dtype=torch.float32)
-    target_grad = torch.empty_like(row_factor)
-    # Two rows a program and 1024 columns a step: the hidden rows' scaling is bound by memory, and
-    # the more programs the more loads in flight (half the time of 8 rows and 256 columns;
-    # docs/design.md).
-    block_r = 2
-    K._factored_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        *sweep.tile_stats, sweep.row_ref, sweep.target_logit, targets, _take_out(take_out, n_rows, device), loss_grad,
-        buffer, stats.row_max, stats.sum_exp, stats.entropy_term, stats.argmax,
-        out.lse, out.loss, out.correct, out.entropy, row_factor, target_grad, hidden, scaled_hidden,
-        n_rows, vocab_size, hidden_size, hidden.stride(0), opts.ignore_index, float(opts.logit_scale),
-        BLOCK_R=block_r,
-        BLOCK_T=min(128, triton.next_power_of_2(sweep.num_tiles)),
-        BLOCK_V=sweep.block_v,
-        BLOCK_H=32 if interpreting() else 1024,
-    )
-    return stats, row_factor, target_grad
-
-
-def finalize(stats: RowStats, targets, opts: LossOptions, vocab_size: int, out: RowResults,
-             return_metrics: bool = False) -> None:
-    """Writes lse and loss of each row to ``out`` from its merged statistics, and with
-    ``return_metrics`` its correctness and entropy."""
-    n_rows = targets.shape[0]
-    entropy_term, argmax, correct, entropy = ((stats.entropy_term, stats.argmax, out.correct, out.entropy)
-                                              if return_metrics else (None,) * 4)
-    block_r = 128
-    K._finalize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-        stats.row_max, stats.sum_exp, entropy_term, argmax, stats.logit_sum if opts.has_smoothing else None,
-        stats.target_logit, targets, out.lse, out.loss, correct, entropy,
-        n_rows, opts.ignore_index, opts.inv_vocab_size(vocab_size), *_smoothing_and_z_loss(opts),
-        BLOCK_R=block_r,
-    )
-
-
 def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The bounded per-chunk buffer [rows, V]: ``z - tile_max`` in the inputs' dtype.
 
@@ -428,101 +323,14 @@ def new_buffer(rows: int, vocab_size: int, dtype: torch.dtype, device: torch.dev
     return torch.empty((rows, vocab_size), dtype=dtype, device=device)
 
 
-def grad_from_stored(buffer, state, targets, lse, loss_grad, opts: LossOptions, bias_grad_acc):
-    """Turns the ``z - tile_max`` stored by ``row_stats`` into grad logits, in place, and
-    adds the chunk's column sums to ``bias_grad_acc`` [V] fp32 unless it is None.
-    Returns the grad logits [rows, V] (the buffer itself)."""
-    n_rows, vocab_size = buffer.shape
-    block_v = state.block_v
-    # Without a bias, programs also split the rows (more of them in flight: this pass is
-    # bound by memory bandwidth); with one, a program walks all rows of its columns.
-    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
-    grid = (triton.cdiv(vocab_size, block_v), triton.cdiv(n_rows, rows_per_program))
-    K._grad_from_shifted_kernel[grid](
-        buffer, state.tile_max, lse, loss_grad, targets, bias_grad_acc,
-        n_rows, rows_per_program, vocab_size, buffer.stride(0),
-        float(opts.logit_scale), _scale_and_cap(opts)[1], *_smoothing_and_z_loss(opts), opts.inv_vocab_size(vocab_size),
-        BLOCK_N=16 if interpreting() else 32,
-        BLOCK_V=block_v,
-        num_warps=8,
-    )
-    return buffer
-
-
 def kept_row_bytes(vocab_size: int, dtype: torch.dtype, has_softcap: bool) -> int:
     """A kept row's bytes: its buffer row in the inputs' dtype, its tile maxima and reference (fp32)."""
     return vocab_size * (torch.finfo(dtype).bits // 8) + 4 * (triton.cdiv(vocab_size, tile_width(dtype)) + 1)
 
 
-def grad_from_kept(buffer, state, row_ref, targets, lse, loss_grad, lse_grad, entropy_grad, opts: LossOptions,
-                   bias_grad_acc):
-    """Grad logits [rows, V] of kept rows, in place in ``buffer`` (``z - tile_max``, or with
-    ``row_ref`` the factored sweep's exponentials), by ``_grad_from_kept_kernel``; adds their
-    column sums to ``bias_grad_acc`` [V] fp32 unless None. Returns the buffer."""
-    n_rows, vocab_size = buffer.shape
-    assert buffer.stride() == (vocab_size, 1), "the kernel reads a contiguous buffer"
-    if n_rows == 0:
-        return buffer
-    # As ``grad_from_shifted``: without a bias, programs also split the rows (a pass bound by memory).
-    rows_per_program = n_rows if bias_grad_acc is not None else (32 if interpreting() else 128)
-    grid = (triton.cdiv(vocab_size, state.block_v), triton.cdiv(n_rows, rows_per_program))
-    K._grad_from_kept_kernel[grid](
-        buffer, state.tile_max, row_ref, lse, loss_grad, lse_grad, entropy_grad, targets, bias_grad_acc,
-        n_rows, rows_per_program, vocab_size, buffer.stride(0), *_scale_and_cap(opts),
-        BLOCK_N=16 if interpreting() else 32,
-        BLOCK_V=state.block_v,
-        FAST_LOG=not interpreting(),  # (the interpreter has no libdevice)
-        num_warps=8,
-    )
-    return buffer
-
-
-def order_rows(targets: torch.Tensor, ignore_index: int, mean: bool):
-    """The rows with a loss first: (order int64 [N], targets[order] int64 [N], their count
-    int64 [1], d loss / d loss_i [N] fp32 of the ordered rows: 1, or 1 / count for a mean)."""
-    n_rows = targets.shape[0]
-    device = targets.device
-    order = torch.empty(n_rows, device=device, dtype=torch.int64)
-    ordered_targets = torch.empty(n_rows, device=device, dtype=torch.int64)
-    count = torch.empty(1, device=device, dtype=torch.int64)
-    loss_grad = torch.empty(n_rows, device=device, dtype=torch.float32)
-    # Each program reads all N targets: blocks grow with N to keep the programs at 64 or fewer
-    # (up to 262144 rows; a few when interpreting), to 4096 rows at 8 warps (8192 at 16 spill
-    # on sm_90 in Triton 3.9): one program walking the blocks in turn took four times as long
-    # (docs/design.md).
-    parts = 4 if interpreting() else 64
-    block = min(4096, max(64 if interpreting() else 1024, triton.next_power_of_2(triton.cdiv(n_rows, parts))))
-    K._order_rows_kernel[(max(1, triton.cdiv(n_rows, block)),)](
-        targets, order, ordered_targets, count, loss_grad, n_rows, int(ignore_index), MEAN=mean, BLOCK=block,
-        num_warps=max(4, block // 512))
-    return order, ordered_targets, count, loss_grad
-
-
 def _target_logit_by_product(hidden: torch.Tensor) -> bool:
     """Whether the sweeps leave each row's target logit to a product (``_plan.target_logit_by_product``)."""
     return _plan.target_logit_by_product(hidden.dtype, _plan.Hardware("triton"))
-
-
-def _picked_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
-                   bias: torch.Tensor | None = None, rows: torch.Tensor | None = None):
-    """(z_ic, the same or NaN where t_i is not a column here), both [rows] fp32, with c = t_i
-    (column 0 where the target is not a column of this weight) and z the final logit (bias, scale,
-    softcap), from a tensor-core product that sums each logit as the logit kernel's tiles do.
-    With ``rows`` (int64 [rows]) row i is hidden[rows[i]]."""
-    n_rows, hidden_size = (hidden.shape[0] if rows is None else rows.shape[0]), hidden.shape[1]
-    out = torch.empty(n_rows, device=hidden.device, dtype=torch.float32)
-    target_logit = torch.empty_like(out)
-    block_r, block_k = (32, 16) if interpreting() else (64, 64)
-    K._picked_logit_dot_kernel[(triton.cdiv(n_rows, block_r),)](
-        hidden, weight, targets, out, target_logit, bias, rows,
-        n_rows, weight.shape[0], hidden_size, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        float(opts.logit_scale), _scale_and_cap(opts)[1],
-        INPUT_PRECISION=_input_precision(hidden.dtype), BLOCK_R=block_r, BLOCK_K=block_k,
-        # six stages of 16 KiB: a 64-row program a multiprocessor is bound by the loads in flight
-        # (three stages took a third longer; docs/design.md)
-        num_warps=4, num_stages=6,
-    )
-    return out, target_logit
 
 
 def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -534,7 +342,7 @@ def step_target_logits(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     step, not one a chunk (docs/design.md)."""
     if not _target_logit_by_product(hidden):
         return None
-    return _picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
+    return _target_kernels.picked_logits(hidden, weight, targets, opts, bias, rows=rows)[1]
 
 
 def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, opts: LossOptions,
@@ -546,38 +354,7 @@ def row_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     a lower bound of the row's max; a row whose max passes it by more than the gap (a target of
     probability below e^-40) is moved to its max by ``row_factors``. With ``rows`` (int64) row i
     is hidden[rows[i]]."""
-    return _picked_logits(hidden, weight, targets, opts, rows=rows)
-
-
-def scale_rows(src: torch.Tensor, factor: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None,
-               target_terms: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """dst[dst_rows] = factor[:, None] * src (rounded once to dst's dtype); dst_rows: int64
-    [rows] indices into dst, or None for dst's first rows. src [rows, C] any strides, dst [*, C]
-    with unit column stride. With ``target_terms`` (c [rows] fp32, targets [rows], weight [V, C],
-    any strides)
-    also + c[:, None] * weight[targets] (rows whose target is out of range add nothing)."""
-    n_rows, n_cols = src.shape
-    block_r, block_c = (16, 32) if interpreting() else (16, 256)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    target_grad, targets, weight = target_terms if target_terms is not None else (None, None, None)
-    K._scale_rows_kernel[grid](
-        src, factor, dst, dst_rows, target_grad, targets, weight,
-        n_rows, n_cols, weight.shape[0] if target_terms is not None else 0,
-        src.stride(0), src.stride(1), dst.stride(0), *(weight.stride() if target_terms is not None else (0, 0)),
-        BLOCK_R=block_r, BLOCK_C=block_c,
-    )
-    return dst
-
-
-def zero_rows(dst: torch.Tensor, rows: torch.Tensor) -> None:
-    """dst[rows] = 0 in place: dst [*, C] with unit column stride, rows int64 [n]. Vector stores,
-    where ``index_fill_``'s elementwise kernel stores 2 bytes at a time (docs/design.md)."""
-    n_rows, n_cols = rows.shape[0], dst.shape[1]
-    if n_rows == 0:
-        return
-    block_r, block_c = (16, 32) if interpreting() else (16, 256)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
-    K._zero_rows_kernel[grid](dst, rows, n_rows, n_cols, dst.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
+    return _target_kernels.picked_logits(hidden, weight, targets, opts, rows=rows)
 
 
 def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch.Tensor, hidden: torch.Tensor,
@@ -586,92 +363,11 @@ def add_target_rows(acc: torch.Tensor, target_grad: torch.Tensor, targets: torch
     of target_grad[i] * hidden[hidden_rows[i]] (hidden[i] without ``hidden_rows``), each sum in
     fp32 in a fixed order and added to acc's entry in one rounding. acc [V, H] (unit column
     stride), target_grad [rows] fp32 (0: no term), targets [rows] int (out of range: no term)."""
-    n_rows = targets.shape[0]
-    vocab_size, hidden_size = acc.shape
-    if n_rows == 0:
+    if targets.shape[0] == 0:
         return
-    # The rows sorted by their keys in [0, V] (V: no term), so that each target's rows are
-    # consecutive; int16 keys where V < 2^15 take half the radix passes of int32 ones.
-    keys = torch.empty(n_rows, device=acc.device, dtype=torch.int16 if vocab_size < 2**15 else torch.int32)
-    block = 64 if interpreting() else 1024
-    K._target_keys_kernel[(triton.cdiv(n_rows, block),)](targets, target_grad, keys, n_rows, vocab_size, BLOCK=block)
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    # Bound by memory (a row of hidden and acc's row twice per term): as many programs as the
-    # multiprocessors hold, grid-stride, each with four positions' loads in flight.
-    block_p, block_h = 4, 32 if interpreting() else 1024
-    column_blocks = triton.cdiv(hidden_size, block_h)
-    programs = min(triton.cdiv(n_rows, block_p), max(1, 16 * _max_programs(acc.device) // column_blocks))
-    K._target_segments_kernel[(programs, column_blocks)](
-        acc, sorted_keys, perm, target_grad, hidden, hidden_rows,
-        n_rows, vocab_size, hidden_size, acc.stride(0), hidden.stride(0), hidden.stride(1),
-        BLOCK_P=block_p, BLOCK_H=block_h,
-    )
-
-
-def targets_out_of_range(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
-    """A [] int32 flag, 1 if a target is neither in [0, vocab_size) nor ``ignore_index``: one
-    launch beside its zero fill, for the loss's range check."""
-    flag = torch.zeros((), device=targets.device, dtype=torch.int32)
-    n_rows = targets.numel()
-    if n_rows:
-        block = 64 if interpreting() else 1024
-        K._targets_out_of_range_kernel[(triton.cdiv(n_rows, block),)](
-            targets, flag, n_rows, vocab_size, int(ignore_index), BLOCK=block)
-    return flag
-
-
-def mean_grad_ratio(row_grad: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """[2] fp32 (uniform, ratio) of ``_mean_grad_ratio_kernel``, in one launch."""
-    out = torch.empty(2, device=targets.device, dtype=torch.float32)
-    K._mean_grad_ratio_kernel[(1,)](row_grad, targets, out, targets.shape[0], int(ignore_index),
-                                    BLOCK=64 if interpreting() else 1024)
-    return out
-
-
-def take_out_flags(targets: torch.Tensor, vocab_size: int, ignore_index: int, rare_count: int,
-                   improbable_count: int) -> torch.Tensor:
-    """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column is the
-    target of at most ``rare_count`` of the rows, OUT_IF_IMPROBABLE where of at most
-    ``improbable_count``, 0 elsewhere and on rows without a target here (out of range, or
-    ``ignore_index``). Counted with int32 atomics in three launches and no host sync (so also
-    under CUDA-graph capture)."""
-    n_rows = targets.shape[0]
-    counts = torch.zeros(vocab_size, device=targets.device, dtype=torch.int32)
-    flags = torch.empty(n_rows, device=targets.device, dtype=torch.int8)
-    if n_rows == 0:
-        return flags
-    block = 64 if interpreting() else 1024
-    grid = (triton.cdiv(n_rows, block),)
-    K._count_targets_kernel[grid](targets, counts, n_rows, vocab_size, int(ignore_index), BLOCK=block)
-    K._take_out_flags_kernel[grid](targets, counts, flags, n_rows, vocab_size, int(ignore_index),
-                                   int(rare_count), int(improbable_count), BLOCK=block)
-    return flags
-
-
-def _take_out(take_out: torch.Tensor | None, n_rows: int, device: torch.device) -> torch.Tensor:
-    """The rows' take_out flags [rows] int8 (``_kernels``: 0, OUT_ALWAYS, OUT_IF_IMPROBABLE);
-    zeros (every target entry in the products) for None."""
-    return take_out if take_out is not None else torch.zeros(n_rows, device=device, dtype=torch.int8)
-
-
-def row_factors(buffer, state, row_max, row_ref, lse, loss_grad, targets, opts: LossOptions,
-                take_out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turns the exponentials stored by ``row_stats(row_ref=...)`` into E' in place and returns
-    (r, c) [rows] fp32 such that the chunk's grad logits are diag(r) E' + diag(c) T (see
-    ``_kernels``); ``take_out`` [rows] int8 (None: none) flags the rows whose target entry
-    leaves the products (``_kernels._factor_rows``)."""
-    n_rows, vocab_size = buffer.shape
-    assert buffer.stride() == (vocab_size, 1), "the kernel reads a contiguous buffer"
-    row_factor = torch.empty(n_rows, device=buffer.device, dtype=torch.float32)
-    target_grad = torch.empty_like(row_factor)
-    block_r = 16  # more rows a program take more registers than 4 warps have (compile_sm90.py)
-    K._row_factors_kernel[(triton.cdiv(n_rows, block_r),)](
-        buffer, state.tile_max, row_max, row_ref, lse, loss_grad, targets, _take_out(take_out, n_rows, buffer.device),
-        row_factor, target_grad,
-        n_rows, vocab_size, float(opts.logit_scale),
-        BLOCK_R=block_r, BLOCK_V=state.block_v, num_warps=4,
-    )
-    return row_factor, target_grad
+    # The rows sorted by their keys in [0, V] (V: no term), so that each target's rows are consecutive.
+    sorted_keys, perm = torch.sort(_target_kernels.target_keys(targets, target_grad, acc.shape[0]), stable=True)
+    _target_kernels.target_segments(acc, sorted_keys, perm, target_grad, hidden, hidden_rows, _max_programs(acc.device))
 
 
 def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: LossOptions, out, bias_grad_acc,
@@ -683,18 +379,10 @@ def grad_logits(hidden, weight, bias, targets, lse, loss_grad, lse_grad, opts: L
     d out / d entropy_i, whose -e_i H_i part the caller has put in ``lse_grad``."""
     assert lse.dtype == accumulation_dtype(hidden.dtype), "the kernel computes in lse's dtype"
     pointers = (bias, targets, out, lse, loss_grad, lse_grad, entropy_grad, class_weight, smooth_grad)
-    scalars = (*_scale_and_cap(opts), *_smoothing_and_z_loss(opts), opts.inv_vocab_size(weight.shape[0]))
+    scalars = (*scale_and_cap(opts), *smoothing_and_z_loss(opts), opts.inv_vocab_size(weight.shape[0]))
     _launch_tiles(K._tile_grad_kernel, hidden, weight, out, pointers, scalars, tile_width(hidden.dtype))
     if bias_grad_acc is not None:
         bias_grad_acc += torch.sum(out, dim=0, dtype=bias_grad_acc.dtype)
     return out
 
 
-def scale_(x: torch.Tensor, scale: torch.Tensor) -> None:
-    """x *= scale in place (scale: a one-element fp32 tensor); no traffic when scale == 1."""
-    if x.numel() == 0:
-        return
-    block = 4096
-    numel = x.numel()
-    programs = min(triton.cdiv(numel, block), 1024)
-    K._scale_kernel[(programs,)](x, scale, numel, BLOCK=block)
