@@ -13,7 +13,7 @@ its lse is known: grad_hidden[chunk] = G @ W and grad_weight += G^T @ hidden[chu
 whole step costs 6 N V H flops. Without bias, softcap, smoothing or z-loss (bf16, fp32) the
 buffer keeps exponentials and G = diag(r) E' + diag(c) T is never formed: the row factors r go
 on the products' small side, and the target entries of rare targets (``_ForwardStep.take_out``)
-stay out of the products, added in fp32 (see ``_kernels``); on an unsharded weight a chunk is
+stay out of the products, added in fp32 (see ``_row_kernels``); on an unsharded weight a chunk is
 its sweep (``factored_sweep``) and one pass over its rows for finalize and row factors
 (``factored_rows``). Otherwise it keeps logits relative to
 their tile max, turned into G in place by one pass. The gradients are those of d loss with grad_output = 1;
@@ -160,7 +160,7 @@ class _ForwardStep:
 
     @functools.cached_property
     def take_out(self) -> torch.Tensor | None:
-        """[N] int8 take_out flags (``_kernels``): OUT_ALWAYS on the rows whose target column (of
+        """[N] int8 take_out flags (``_kernel_math``): OUT_ALWAYS on the rows whose target column (of
         this weight) is the target of at most ``plan.take_out`` of the step's rows, OUT_IF_IMPROBABLE
         where of at most IMPROBABLE_MAX_COUNT (the row's entry then leaves if p_t < 2^-10), 0
         elsewhere. A rare target's entry is its column's largest term, best added to grad_weight
