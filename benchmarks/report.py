@@ -826,14 +826,22 @@ def _span(values, spec=".2f") -> str:
     return f"{min(values):{spec}}×" if min(values) == max(values) else f"{min(values):{spec}}–{max(values):{spec}}×"
 
 
+def _newest_model_step(key: str) -> tuple[str | None, dict | None]:
+    """(file name, ``key``'s record) of the newest ``trl-gpu-*.json`` that has ``key`` (a model step
+    of ``scripts/trl_gpu.py``), or (None, None)."""
+    runs = [(name, data) for name, data in recorded("trl-gpu-*.json") if key in data]
+    if not runs:
+        return None, None
+    name, data = max(runs, key=lambda item: item[1]["date"])
+    return name, data[key]
+
+
 def grpo_step_sentence() -> str:
     """The GRPO-shaped model step of ``scripts/trl_gpu.py`` (part 3) with both heads, from the newest
     ``trl-gpu-*.json`` that has it; empty where none does."""
-    runs = [(name, data) for name, data in recorded("trl-gpu-*.json") if "grpo_step" in data]
-    if not runs:
+    name, step = _newest_model_step("grpo_step")
+    if step is None:
         return ""
-    name, data = max(runs, key=lambda item: item[1]["date"])
-    step = data["grpo_step"]
     return (f"A GRPO-shaped step of a {step['model']['num_hidden_layers']}-layer Llama-3-shaped model through TRL's "
             f"head ({step['batch']} × {step['seq_len']} tokens, temperature {step['temperature']}, entropy bonus "
             f"{step['entropy_coef']}, {step['laps']} alternating laps; `{name}`) takes {step['flce']['ms']:.1f} ms and "
@@ -871,11 +879,9 @@ def token_summary(runs) -> str:
 def distill_step_sentence() -> str:
     """The DistillationTrainer-shaped model step of ``scripts/trl_gpu.py`` (part 4) with both heads,
     from the newest ``trl-gpu-*.json`` that has it; empty where none does."""
-    runs = [(name, data) for name, data in recorded("trl-gpu-*.json") if "distill_step" in data]
-    if not runs:
+    name, step = _newest_model_step("distill_step")
+    if step is None:
         return ""
-    name, data = max(runs, key=lambda item: item[1]["date"])
-    step = data["distill_step"]
     return (f"A DistillationTrainer-shaped step (a {step['model']['num_hidden_layers']}-layer Llama-3-shaped "
             f"student against a frozen teacher of the same shape, {step['batch']} × {step['seq_len']} tokens, "
             f"{1 - step['prompt_fraction']:.0%} of them completions, β = {step['beta']:g}, through TRL's "

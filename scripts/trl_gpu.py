@@ -191,22 +191,53 @@ def time_sft_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warm
 GRPO_TEMPERATURE, GRPO_ENTROPY_COEF = 0.7, 0.01
 
 
-def time_grpo_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int, cpu: bool,
-                   keep_mib: int | None = None) -> dict:
-    """Median wall time of a GRPO-shaped optimizer step (synchronized) through TRL's fused LM head
-    (``add_fused_lm_head``) over ``steps`` steps after ``warmup``, and the peak memory of the measured
-    steps: a quarter of each sequence a prompt (labels -100), each completion its advantage, the loss
-    GRPOTrainer's at its first iteration with an entropy bonus, then backward and SGD."""
+def timed_steps(flce, ours: bool, step, warmup: int, steps: int, cpu: bool, head: str, **recorded) -> dict:
+    """Runs ``step()`` (one optimizer step, returning its loss) ``warmup + steps`` times with our
+    head (``use_in_trl``) or TRL's, each synchronized: the median wall time of the last ``steps``,
+    each one, their peak memory and the last loss, with ``recorded`` beside them."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from trl.trainer.utils import add_fused_lm_head
-
-    device = "cpu" if cpu else "cuda"
 
     def sync():
         if not cpu:
             torch.cuda.synchronize()
 
+    ms = []
+    if ours:
+        flce.trl.use_in_trl()
+    try:
+        for index in range(warmup + steps):
+            if index == warmup and not cpu:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            start = time.perf_counter()
+            loss = step()
+            sync()
+            if index >= warmup:
+                ms.append((time.perf_counter() - start) * 1e3)
+    finally:
+        if ours:
+            flce.trl.use_in_trl(False)
+    result = {"ms": round(statistics.median(ms), 3), "ms_each": [round(t, 3) for t in ms],
+              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
+              "loss": loss.item(), **recorded}
+    del loss
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
+    print(json.dumps({"head": "flce" if ours else "trl", "step": head, **result}), flush=True)
+    return result
+
+
+def time_grpo_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int, cpu: bool,
+                   keep_mib: int | None = None) -> dict:
+    """``timed_steps`` of a GRPO-shaped optimizer step through TRL's fused LM head
+    (``add_fused_lm_head``): a quarter of each sequence a prompt (labels -100), each completion its
+    advantage, the loss GRPOTrainer's at its first iteration with an entropy bonus, then backward and SGD."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    device = "cpu" if cpu else "cuda"
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(pad_token_id=0, **shapes)).to(torch.bfloat16)
@@ -217,46 +248,26 @@ def time_grpo_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, war
     labels = input_ids.clone()
     labels[:, : seq_len // 4] = -100  # the prompts
     advantages = torch.randn(batch, 1, generator=g).to(device)
-    ms = []
+
+    def step():
+        out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+        mask = out.label_mask.float()
+        ratio = torch.exp(out.log_probs - out.log_probs.detach())
+        per_token = -ratio * advantages - GRPO_ENTROPY_COEF * out.entropy
+        loss = (per_token * mask).sum() / mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
     settings = sys.modules[flce.__name__ + "._settings"]
-    if ours:
-        flce.trl.use_in_trl()
-    try:
-        with settings.override(keep_mib=keep_mib) if ours and keep_mib is not None else contextlib.nullcontext():
-            for step in range(warmup + steps):
-                if step == warmup and not cpu:
-                    torch.cuda.reset_peak_memory_stats()
-                sync()
-                start = time.perf_counter()
-                out = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
-                mask = out.label_mask.float()
-                ratio = torch.exp(out.log_probs - out.log_probs.detach())
-                per_token = -ratio * advantages - GRPO_ENTROPY_COEF * out.entropy
-                loss = (per_token * mask).sum() / mask.sum()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sync()
-                if step >= warmup:
-                    ms.append((time.perf_counter() - start) * 1e3)
-    finally:
-        if ours:
-            flce.trl.use_in_trl(False)
-    result = {"ms": round(statistics.median(ms), 3), "ms_each": [round(t, 3) for t in ms],
-              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
-              "loss": loss.item(), "keep_mib": keep_mib if ours else None}
-    del model, optimizer, out, loss
-    gc.collect()
-    if not cpu:
-        torch.cuda.empty_cache()
-    print(json.dumps({"head": "flce" if ours else "trl", "step": "grpo", **result}), flush=True)
-    return result
+    with settings.override(keep_mib=keep_mib) if ours and keep_mib is not None else contextlib.nullcontext():
+        return timed_steps(flce, ours, step, warmup, steps, cpu, "grpo", keep_mib=keep_mib if ours else None)
 
 
 def time_distill_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warmup: int, steps: int,
                       cpu: bool) -> dict:
-    """Median wall time of a DistillationTrainer-shaped optimizer step (synchronized) over ``steps``
-    steps after ``warmup``, and the peak memory of the measured steps: the student's and the frozen
+    """``timed_steps`` of a DistillationTrainer-shaped optimizer step: the student's and the frozen
     teacher's backbones, TRL's ``_chunked_divergence_loss`` over the completion tokens (the last three
     quarters of each sequence) at beta 1, then backward and SGD on the student."""
     import torch
@@ -264,11 +275,6 @@ def time_distill_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, 
     from trl.trainer import distillation_trainer
 
     device = "cpu" if cpu else "cuda"
-
-    def sync():
-        if not cpu:
-            torch.cuda.synchronize()
-
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -281,38 +287,19 @@ def time_distill_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, 
     input_ids = torch.randint(3, shapes["vocab_size"], (batch, seq_len), generator=g).to(device)
     completion_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
     completion_mask[:, : seq_len // 4] = 0  # the prompts
-    ms = []
-    if ours:
-        flce.trl.use_in_trl()
-    try:
-        for step in range(warmup + steps):
-            if step == warmup and not cpu:
-                torch.cuda.reset_peak_memory_stats()
-            sync()
-            start = time.perf_counter()
-            student_hidden = student.model(input_ids=input_ids).last_hidden_state
-            with torch.no_grad():
-                teacher_hidden = teacher.model(input_ids=input_ids).last_hidden_state
-            loss, _, _ = distillation_trainer._chunked_divergence_loss(
-                student_hidden, teacher_hidden, student.lm_head.weight, teacher.lm_head.weight, completion_mask, 1.0)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
-            if step >= warmup:
-                ms.append((time.perf_counter() - start) * 1e3)
-    finally:
-        if ours:
-            flce.trl.use_in_trl(False)
-    result = {"ms": round(statistics.median(ms), 3), "ms_each": [round(t, 3) for t in ms],
-              "peak_mib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**20, 1),
-              "loss": loss.item()}
-    del student, teacher, models, optimizer, loss
-    gc.collect()
-    if not cpu:
-        torch.cuda.empty_cache()
-    print(json.dumps({"head": "flce" if ours else "trl", "step": "distill", **result}), flush=True)
-    return result
+
+    def step():
+        student_hidden = student.model(input_ids=input_ids).last_hidden_state
+        with torch.no_grad():
+            teacher_hidden = teacher.model(input_ids=input_ids).last_hidden_state
+        loss, _, _ = distillation_trainer._chunked_divergence_loss(
+            student_hidden, teacher_hidden, student.lm_head.weight, teacher.lm_head.weight, completion_mask, 1.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return timed_steps(flce, ours, step, warmup, steps, cpu, "distill")
 
 
 def alternating_laps(run, laps: int) -> dict:

@@ -574,6 +574,8 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     n_chunks = _cdiv(n_rows, chunk) if training else 0
     fp32 = fp32_from_start(shape.vocab_size, shape.hidden_size, shape.element_size, chunk)
     keep_mib, keep_rows = keep_budget() if pipeline == "kept" else (None, None)
+    # Kept chunks that take references store the factored sweep's exponentials (``_kept.forward_chunks``).
+    kept_exponentials = pipeline == "kept" and referenced and not (request.logit_sum or request.sum_sq)
     recompute = plan_chunk(backend, n_rows, shape.vocab_size, shape.hidden_size, dtype, True,
                            weight_grad=True) if pipeline == "kept" else 0
     recompute_bytes = (chunk_bytes(recompute, shape.vocab_size, dtype, shape.hidden_size)
@@ -581,7 +583,7 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     return Plan(
         backend=backend, pipeline=pipeline, sharded=sharded,
         grads_in_forward=tuple(bool(g) for g in grads),
-        sweep=_sweep_kernel(request, shape, hardware, pipeline, factored, referenced, by_product),
+        sweep=_sweep_kernel(request, shape, hardware, pipeline, factored or kept_exponentials, referenced, by_product),
         target_logit="reference" if referenced else "product" if by_product else "sweep",
         references_first=referenced and not sharded, row_order="targets" if ordered else "in place",
         row_block=block, chunk_rows=chunk, grown=training and chunk != planned,
@@ -616,7 +618,8 @@ def _sweep_kernel(request: Request, shape: Shape, hardware: Hardware, pipeline: 
                   referenced: bool, by_product: bool) -> str:
     """The statistics sweep's kernel, as ``_triton_backend._sweep`` takes it: the Gluon kernel for
     the statistics alone (no buffer, target logit by product, no references, no logit sum or
-    squares) or for the factored sweep, where its inputs suit it (``_gluon_stats.applies``), else
+    squares) or for the factored sweep (a training chunk's, or a kept chunk's exponentials; the
+    chunks past the budget take the tiles), where its inputs suit it (``_gluon_stats.applies``), else
     the logit kernel's tiles."""
     if hardware.backend != "triton":
         return "torch"

@@ -84,9 +84,10 @@ CASES = {
                                     dict(skip_ignored=False), dict(row_order="in place")),
     "no_rows": (dict(GRADS), dict(n_rows=0, **LLAMA3), HOPPER, {}, {},
                 dict(pipeline="statistics", row_order="in place", target_logit="sweep", n_chunks=0)),
-    # Per-token outputs whose backward recomputes: kept rows; references as the factored step's.
+    # Per-token outputs whose backward recomputes: kept rows; references as the factored step's, so
+    # the kept chunks store the factored sweep's exponentials, which Hopper's Gluon kernel sweeps.
     "kept": (dict(outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, dict(keep=True), {},
-             dict(pipeline="kept", sweep="tiles", target_logit="reference", references_first=True,
+             dict(pipeline="kept", sweep="gluon", target_logit="reference", references_first=True,
                   recompute_rows=1024, recompute_bytes=1024 * (256512 + 4096 * 4), keep_mib=None, keep_rows=None)),
     "kept_budget": (dict(outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, dict(keep=True),
                     dict(keep_mib=3, keep_rows=13), dict(pipeline="kept", keep_mib=3, keep_rows=13)),
