@@ -682,7 +682,8 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
             "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
-ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft", "trl-glue")
+ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft", "trl-glue",
+                   "flce-grpo", "trl-grpo")
 
 
 def anatomy(fn, hidden, weight, targets) -> dict:
