@@ -13,6 +13,8 @@ fp32 exponentials. The backward turns them into grad logits in place (``grad_fro
 over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
 kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
 bonus) is left out, as the recompute leaves such rows out: its part's other rows move up in place.
+A sparse top-k loss's forward (``_sparse_step``) sweeps its chunks as kept parts (``sweep_part``) and
+turns each into grad logits at once, its upstream being known there.
 
 The bound. With u the unit roundoff of the stored dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32: the
 16-bit ones as the training step's buffer), g_i = d out / d log_probs_i, e_i = d out / d H_i,
