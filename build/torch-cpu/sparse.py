@@ -19,6 +19,10 @@ The losses follow TRL 1.16's ``ServerDistillationTrainer`` (``_compute_server_fo
 ``_add_tail_bucket``, ``_compute_sparse_top_1_divergence_loss``) on these log-probs. Without the
 tail bucket they renormalise the log-probs over the ids, s_k - logsumexp_j s_j, in which lse_n
 cancels: they then take the K logits alone (``picked_forward_op``), with no vocabulary sweep.
+With it and reduction "mean" or "sum" the loss is a scalar whose rows' terms are separable: its
+forward makes the gradients chunk by chunk, as the loss's training step (``_sparse_step``), and
+the backward scales them by the upstream scalar (``_LossInForward``); elsewhere ("none", float64,
+traced or captured calls) they go through the (N, K) log-probs' backward above.
 """
 
 import functools
@@ -528,7 +532,10 @@ def fused_linear_sparse_kl(
     the mass outside the support, log(1 - sum_k exp(.)) (the sum held at most exp(-1e-7)); without
     it both are renormalised over the support, s_k - logsumexp(s) (then a top-1 support gives 0),
     which depends on the K logits alone: no sweep of the vocabulary then, forward or backward.
-    The row's divergence is sum_k exp(t_k) (t_k - s_k) over those elements.
+    The row's divergence is sum_k exp(t_k) (t_k - s_k) over those elements. With the tail and
+    reduction "mean" or "sum" the forward makes the gradients in its one sweep (6 N V H flops, the
+    memory of ``fused_linear_cross_entropy``'s step), which the backward only scales: one backward
+    through a call, as the loss's.
 
     Normalisation: a row takes part when any of its ids is not ``ignore_index``; "mean" is the sum
     of the rows' divergences divided by the number of rows that take part (at least 1: 0, not
