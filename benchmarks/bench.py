@@ -773,23 +773,29 @@ def trl_sparse_loss(student_log_probs, ids, teacher_log_probs, beta: float):
 
 
 def sparse_methods(flce, k: int, labels, teacher):
-    """name: f(hidden, weight, ids) for a sparse row: ours, torch.compile of TRL's loss on the
-    materialised logits, and our loss alone (cross-entropy against ``labels``) at the shape."""
+    """name: f(hidden, weight, ids) for a sparse row: ours (its gradients made in the forward, and
+    through a per-row upstream for comparison), torch.compile of TRL's loss on the materialised
+    logits, and our loss alone (cross-entropy against ``labels``) at the shape."""
     ids, log_probs, tokens, token_log_probs = teacher
     beta = 0.0 if k > 1 else 1.0
     support, support_log_probs = (ids, log_probs) if k > 1 else (tokens[:, None], token_log_probs[:, None])
 
-    def ours(h, w, _):
+    def ours(h, w, _, reduction="mean"):  # mean: the gradients made in the forward (pipeline "sparse")
         if k > 1:
-            return flce.fused_linear_sparse_kl(h, w, ids, log_probs, temperature=SPARSE_TEMPERATURE)
-        return flce.fused_linear_top1_divergence(h, w, tokens, token_log_probs, temperature=SPARSE_TEMPERATURE)
+            return flce.fused_linear_sparse_kl(h, w, ids, log_probs, temperature=SPARSE_TEMPERATURE,
+                                               reduction=reduction)
+        return flce.fused_linear_top1_divergence(h, w, tokens, token_log_probs, temperature=SPARSE_TEMPERATURE,
+                                                 reduction=reduction)
 
     @torch.compile
     def compiled(h, w, _):
         student = F.log_softmax((h @ w.T) / SPARSE_TEMPERATURE, dim=-1)  # TRL: log_softmax of the model's logits
         return trl_sparse_loss(student, support, support_log_probs, beta)
 
-    return {"flce-sparse": ours, "torch.compile-trl-sparse": compiled,
+    # The same loss through a per-row upstream (every row counted: the mean of the rows' terms), for
+    # comparison: the (N, K) log-probs' backward, from kept rows within TRL's head's peak or recomputed.
+    return {"flce-sparse": ours, "flce-sparse-per-row": lambda h, w, _: ours(h, w, _, reduction="none").mean(),
+            "torch.compile-trl-sparse": compiled,
             "fused-linear-ce": lambda h, w, _: flce.fused_linear_cross_entropy(h, w, labels)}
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from . import _kept, _plan
+from . import _kept, _plan, _sparse_step
 from ._distributed import Shard
 from ._gradients import Gradients
 from ._options import LossOptions, Request, RowResults, RowStats, accumulation_dtype
@@ -80,6 +80,7 @@ class ForwardResult:
     mean_logit: torch.Tensor | None = None  # [N] fp32, with ``logit_sum``
     log_sum_sq: torch.Tensor | None = None  # [N] fp32 log sum_j p_j^2, with ``sum_sq``
     kept: "_kept.KeptRows | None" = None  # with ``keep``: what the backward takes for the kept rows
+    row_divergence: torch.Tensor | None = None  # [N] with ``sparse``: each row's term of the top-k loss
 
 # Targets of more rows than this keep their entries in the products even where p_t is small: it
 # bounds the rows that ``add_target_rows`` sums for one target (an unmasked padding token at a
@@ -314,12 +315,13 @@ def _shape(hidden, weight, bias, class_weight, shard: Shard | None) -> _plan.Sha
 
 
 def plan_of(hidden, weight, bias, request: Request, class_weight=None, *, backward: bool = False,
-            keep: bool = False, kept: bool = False) -> Plan:
-    """The plan of a ``forward`` (or with ``backward`` a ``backward``) of these tensors and ``request``."""
+            keep: bool = False, kept: bool = False, sparse: bool = False) -> Plan:
+    """The plan of a ``forward`` (or with ``backward`` a ``backward``) of these tensors and ``request``
+    (``sparse``: of a top-k loss's forward, as ``forward(..., sparse=...)`` plans it)."""
     shard = _shard(request.options)
     backend = backend_for(hidden.device)
     return _plan.plan(request, _shape(hidden, weight, bias, class_weight, shard), backend.hardware(hidden.device),
-                      backward=backward, keep=keep, kept=kept)
+                      backward=backward, keep=keep, kept=kept, sparse=sparse)
 
 
 def _shard(opts: LossOptions) -> Shard | None:
@@ -327,7 +329,7 @@ def _shard(opts: LossOptions) -> Shard | None:
 
 
 def forward(hidden, weight, targets, bias, request: Request, class_weight: torch.Tensor | None = None,
-            keep: bool = False) -> ForwardResult:
+            keep: bool = False, sparse: "_sparse_step.SparseLoss | None" = None) -> ForwardResult:
     """Loss and metrics of ``hidden @ weight.T + bias`` (hidden [N, H], weight [V, H]) under
     ``request``; with any of its gradients (hidden, weight, bias) also those, for grad_output 1.
     With the options' process group, weight and bias are this rank's slice of the vocabulary.
@@ -341,32 +343,37 @@ def forward(hidden, weight, targets, bias, request: Request, class_weight: torch
     the factored gradient, it takes its statistics against the same row references, so that its
     outputs are the same bit for bit with or without gradients. With ``keep`` (a per-token forward
     whose backward will recompute) the result's ``kept`` holds what the backward takes for the
-    rows it keeps (``_kept``).
+    rows it keeps (``_kept``). With ``sparse`` (a top-k loss on the (N, K) log-probs whose ids'
+    first are ``targets``) it makes that loss's gradients, and the result's ``row_divergence``
+    holds its per-row terms (``_sparse_step``).
 
     The chunks go through the loop of the plan's pipeline: the factored training step
     (``_factored_chunks``), training from a stored buffer (``_stored_chunks``: without the
-    factored gradient, or under vocabulary parallelism), the kept rows (``_kept.forward_chunks``)
-    or the forward without gradients (``_statistics_chunks``)."""
+    factored gradient, or under vocabulary parallelism), the kept rows (``_kept.forward_chunks``),
+    the top-k loss's step (``_sparse_step.forward_chunks``) or the forward without gradients
+    (``_statistics_chunks``)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     shard = _shard(request.options)
     backend = backend_for(hidden.device)
     plan = _plan.plan(request, _shape(hidden, weight, bias, class_weight, shard), backend.hardware(hidden.device),
-                      keep=keep)
+                      keep=keep, sparse=sparse is not None)
     step = _ForwardStep(hidden, weight, targets, bias, request, shard, class_weight, plan, backend)
-    kept = None
+    kept = row_divergence = None
     if plan.pipeline == "factored":
         _factored_chunks(step)
     elif plan.pipeline == "stored":
         _stored_chunks(step)
     elif plan.pipeline == "kept":
         kept = _kept.forward_chunks(step)
+    elif plan.pipeline == "sparse":
+        row_divergence = _sparse_step.forward_chunks(step, sparse)
     else:
         _statistics_chunks(step)
     grads_out = step.gradients.finish(hidden.dtype, bias, backend, step.slice_targets)
     reduction = "none" if request.outputs else request.reduction
     result = _forward_result(step.results, grads_out, step.targets, request.options, reduction, step.row_order,
                              step.row_weight, request.return_metrics, step.f32)
-    result.kept = kept
+    result.kept, result.row_divergence = kept, row_divergence
     return result
 
 

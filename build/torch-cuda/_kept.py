@@ -13,6 +13,8 @@ fp32 exponentials. The backward turns them into grad logits in place (``grad_fro
 over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
 kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
 bonus) is left out, as the recompute leaves such rows out: its part's other rows move up in place.
+A sparse top-k loss's forward (``_sparse_step``) sweeps its chunks as kept parts (``sweep_part``) and
+turns each into grad logits at once, its upstream being known there.
 
 The bound. With u the unit roundoff of the stored dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32: the
 16-bit ones as the training step's buffer), g_i = d out / d log_probs_i, e_i = d out / d H_i,
@@ -187,11 +189,35 @@ def _rows_with_gradient(part: KeptPart, local: torch.Tensor) -> KeptPart:
     return KeptPart(part.start, part.start + local.shape[0], compacted(part.buffer), state, compacted(part.row_ref))
 
 
+def sweep_part(step, start: int, end: int, hidden_c, targets_c, buffer) -> KeptPart:
+    """Rows [start, end) of a forward's computed order (``_chunked._ForwardStep``), their hidden rows
+    ``hidden_c`` and targets ``targets_c``, swept into ``buffer`` [rows, V] in the training step's
+    buffer form, and their results finished: the factored sweep's exponentials where the step takes
+    row references (as its statistics without a buffer then are: the same outputs; that sweep has
+    no room for the logit sum or the squares), else ``z - tile_max`` (the PyTorch backend's
+    exponentials against the row max). Returns the part, for ``grad_from_kept``."""
+    backend, opts = step.backend, step.opts
+    exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
+    reference = step.reference_of(start, end)
+    if reference is None and step.referenced:
+        reference = backend.row_reference(hidden_c, step.weight, targets_c, opts)
+    row_ref = reference[0] if exponentials else None
+    target_logit = (reference[1] if reference is not None
+                    else None if step.target_logits is None else step.target_logits[start:end])
+    has_target = (targets_c != opts.ignore_index).float()  # (the exponentials' rows kept at all)
+    stats, state = backend.row_stats(
+        hidden_c, step.weight, step.bias, targets_c, opts, buffer, row_ref=row_ref, loss_grad=has_target,
+        class_weight=step.local_class_weight, target_logit=target_logit, return_metrics=step.return_metrics,
+        logit_sum=step.logit_sum, sum_sq=step.sum_sq)
+    step.finish(stats, start, end)
+    return KeptPart(start, end, buffer, state, row_ref)
+
+
 def forward_chunks(step) -> "KeptRows":
     """The chunks of a per-token forward (``_chunked._ForwardStep``) whose backward will want
     gradients: as ``_chunked._statistics_chunks``, but its first rows, as many as ``budgets``
-    allows, are swept into buffers that the backward makes their grad logits from; a chunk that
-    the budget cuts is swept in two."""
+    allows, are swept into buffers (``sweep_part``) that the backward makes their grad logits from;
+    a chunk that the budget cuts is swept in two."""
     backend, opts, hidden = step.backend, step.opts, step.hidden
     n_rows, hidden_size = hidden.shape
     plan = step.plan
@@ -202,9 +228,6 @@ def forward_chunks(step) -> "KeptRows":
                  + 2 * hidden_size * hidden.element_size())
     kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes,
                                        plan.keep_mib), plan.keep_rows)
-    # The factored sweep's exponentials where the step takes references, as the statistics without a
-    # buffer then do (the same outputs); that sweep has no room for the logit sum or the squares.
-    exponentials = step.referenced and not (step.logit_sum or step.sum_sq)
     keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
     for start, end, hidden_c, targets_c, _, _ in step.chunks():
         if start > 0 and step.row_order is not None:
@@ -213,19 +236,7 @@ def forward_chunks(step) -> "KeptRows":
         if cut > start:
             rows = slice(0, cut - start)
             buffer = backend.new_buffer(cut - start, step.vocab_size, hidden.dtype, hidden.device)
-            reference = step.reference_of(start, cut)
-            if reference is None and step.referenced:
-                reference = backend.row_reference(hidden_c[rows], step.weight, targets_c[rows], opts)
-            row_ref = reference[0] if exponentials else None
-            target_logit = (reference[1] if reference is not None
-                            else None if step.target_logits is None else step.target_logits[start:cut])
-            has_target = (targets_c[rows] != opts.ignore_index).float()  # (the exponentials' rows kept at all)
-            stats, state = backend.row_stats(
-                hidden_c[rows], step.weight, step.bias, targets_c[rows], opts, buffer, row_ref=row_ref,
-                loss_grad=has_target, class_weight=step.local_class_weight, target_logit=target_logit,
-                return_metrics=step.return_metrics, logit_sum=step.logit_sum, sum_sq=step.sum_sq)
-            step.finish(stats, start, cut)
-            kept.parts.append(KeptPart(start, cut, buffer, state, row_ref))
+            kept.parts.append(sweep_part(step, start, cut, hidden_c[rows], targets_c[rows], buffer))
             kept.count = cut
         if cut < end:
             rest = slice(cut - start, end - start)

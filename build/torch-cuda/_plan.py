@@ -10,7 +10,8 @@ the launchers ask the rules below (``tile_width``, ``logit_tile_choice``, ``gluo
 for what varies per launch. This is the only module that reads the tuning settings.
 
 Whether a per-token forward or a divergence makes its gradients in the sweep depends on what
-the last backward found (``Speculation``): an explicit input of ``grads_in_forward``.
+the last backward found (``Speculation``): an explicit input of ``grads_in_forward``. A sparse
+top-k loss makes them where its upstream is a scalar (``sparse_grads_in_forward``).
 """
 
 import math
@@ -461,7 +462,7 @@ def fullest_chunk(rest: int, chunk: int, row_block: int, even: int, n_chunks: in
 
 
 # ---- the plan -------------------------------------------------------------------------------------
-PIPELINES = ("factored", "stored", "statistics", "kept", "recompute")
+PIPELINES = ("factored", "stored", "statistics", "kept", "recompute", "sparse")
 
 
 @dataclass(frozen=True)
@@ -517,6 +518,9 @@ class Plan:
         if self.pipeline == "factored":
             lines.append("rare target entries: " + ("kept in the products" if self.take_out is None
                                                     else f"out of the products (at most {self.take_out} rows)"))
+        if self.pipeline == "sparse":
+            lines.append("sparse loss: each chunk's buffer turned into the grad logits of its top-k loss (g from the "
+                         "loss on the chunk's (rows, K) log-probs), then the two products; the backward scales them")
         if self.pipeline == "kept":
             lines.append(f"kept rows: budget {'TRL peak' if self.keep_mib is None else f'{self.keep_mib} MiB'}"
                          f"{'' if self.keep_rows is None else f', at most {self.keep_rows} rows'}, the others "
@@ -529,11 +533,13 @@ class Plan:
 
 
 def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool = False, keep: bool = False,
-         kept: bool = False) -> Plan:
+         kept: bool = False, sparse: bool = False) -> Plan:
     """The plan of one call: a forward (``backward`` False) of ``request`` (its gradients those it
     makes in the sweep; with ``keep``, an eager per-token forward whose backward will recompute
-    may keep rows), or a recomputing backward (``request``'s gradients those wanted; with
-    ``kept``, from a forward that kept rows). See the module docstring."""
+    may keep rows; with ``sparse``, a top-k loss's forward whose gradients ``sparse_grads_in_forward``
+    makes: pipeline "sparse", chunked as a training step), or a recomputing backward
+    (``request``'s gradients those wanted; with ``kept``, from a forward that kept rows). See the
+    module docstring."""
     opts, n_rows, dtype = request.options, shape.n_rows, shape.dtype
     sharded = shape.sharded
     planning_vocab = shape.planning_vocab_size or shape.vocab_size
@@ -568,8 +574,8 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     tiles = None if training or sharded else sweep_tiles(shape.vocab_size, dtype, hardware)
     referenced = factored or (tokens and not training and n_rows > 0 and factorable)
     keeps = keep and not sharded and n_rows > 0 and tuning().keep_mib != 0
-    pipeline = ("factored" if factored and not sharded else "stored" if training
-                else "kept" if keeps else "statistics")
+    pipeline = ("sparse" if sparse and training and not sharded else "factored" if factored and not sharded
+                else "stored" if training else "kept" if keeps else "statistics")
     by_product = not referenced and n_rows > 0 and target_logit_by_product(dtype, hardware)
     n_chunks = _cdiv(n_rows, chunk) if training else 0
     fp32 = fp32_from_start(shape.vocab_size, shape.hidden_size, shape.element_size, chunk)
@@ -589,11 +595,19 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         row_block=block, chunk_rows=chunk, grown=training and chunk != planned,
         first_rows=first_chunk_rows(n_rows, chunk, ordered, training, block, tiles), sweep_tiles=tiles,
         n_chunks=n_chunks, weight_sum=_weight_sum(grads[1], shape, n_chunks, fp32),
-        weight_group=weight_group(dtype), weight_fp32=fp32, take_out=rare_target() if factored and grads[1] else None,
+        weight_group=weight_group(dtype), weight_fp32=fp32,
+        take_out=rare_target() if factored and grads[1] and pipeline != "sparse" else None,
         tile_width=width,
         recompute_rows=recompute, recompute_bytes=recompute_bytes,
         keep_mib=keep_mib, keep_rows=keep_rows,
-        notes=(f"gradients of the {'mean' if tokens else request.reduction}",) if training else ())
+        notes=_notes(request, pipeline, training))
+
+
+def _notes(request: Request, pipeline: str, training: bool) -> tuple[str, ...]:
+    """What a forward's gradients are of, where it makes them."""
+    if pipeline == "sparse":
+        return ("gradients of the top-k loss on the (N, K) log-probs, for an upstream of 1",)
+    return (f"gradients of the {'mean' if request.outputs else request.reduction}",) if training else ()
 
 
 def _grown(backend: str, weight_grad: bool, n_rows: int, chunk: int, vocab_size: int, shape: Shape,
@@ -652,6 +666,20 @@ def token_grads_in_forward(needs, allowed: bool, grad_in_forward: bool | None, s
     and ``grad_in_forward`` says so, or where it is None, as ``speculation`` says for ``key``."""
     in_forward = any(needs) and allowed and (speculation.speculates(key) if grad_in_forward is None
                                              else bool(grad_in_forward))
+    return tuple(bool(in_forward and n) for n in needs)
+
+
+def sparse_grads_in_forward(needs, reduction: str, add_tail: bool, dtype: torch.dtype, n_rows: int,
+                            eager: bool) -> tuple[bool, bool, bool]:
+    """Which of a sparse top-k loss's gradients ``needs`` (hidden, weight, bias) its forward makes,
+    chunk by chunk from each chunk's buffer (pipeline "sparse": 6 N V H flops, the loss's training
+    step's memory), for the backward only to scale: with the tail bucket (without it the loss takes
+    the K logits alone, no sweep), reduction "mean" or "sum" (a scalar upstream; "none" gets a
+    per-row one, known only in the backward: kept rows or the recompute, 8 N V H), not float64
+    (gradcheck backpropagates more than once), with rows, and ``eager``: not traced (torch.compile,
+    torch.func) nor captured into a CUDA graph, as the chunk loop reads a count on the host."""
+    in_forward = (any(needs) and add_tail and reduction in ("mean", "sum") and dtype != torch.float64
+                  and n_rows > 0 and eager)
     return tuple(bool(in_forward and n) for n in needs)
 
 

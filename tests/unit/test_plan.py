@@ -97,6 +97,18 @@ CASES = {
                   dict(keep=True), {}, dict(pipeline="kept", target_logit="product")),
     "tokens_in_sweep": (dict(GRADS, outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, {}, {},
                         dict(pipeline="factored", grads_in_forward=(True, True, False), notes=None)),
+    # A top-k loss whose forward makes its gradients: chunked as the Llama-3 step above (6 chunks of
+    # 1536), each chunk's buffer the factored sweep's exponentials (Gluon), none of its target
+    # entries out of the products (their grad logits are made from the buffer, not factored).
+    "sparse": (dict(GRADS, outputs="log_probs"), dict(n_rows=8192, **LLAMA3), HOPPER, dict(sparse=True), {},
+               dict(pipeline="sparse", sweep="gluon", target_logit="reference", references_first=True,
+                    row_order="targets", row_block=192, chunk_rows=1536, first_rows=1536, n_chunks=6,
+                    weight_sum="direct", take_out=None, grads_in_forward=(True, True, False))),
+    # With a bias: the buffer holds z - tile_max, the target logits by one product first.
+    "sparse_bias": (dict(GRADS, grad_bias=True, outputs="log_probs"), dict(n_rows=1024, has_bias=True, **LLAMA3),
+                    HOPPER, dict(sparse=True), {},
+                    dict(pipeline="sparse", sweep="tiles", target_logit="product", references_first=False,
+                         row_block=128, chunk_rows=1024, grads_in_forward=(True, True, True))),
     # Backwards: every row with a gradient recomputed, in 128-row blocks, spread evenly.
     "recompute": (dict(GRADS), dict(n_rows=8192, **LLAMA3), HOPPER, dict(backward=True), {},
                   dict(pipeline="recompute", row_order="gradients", sweep="tiles", row_block=128, chunk_rows=1408,
@@ -233,6 +245,25 @@ def test_the_loss_makes_its_gradients_in_the_forward_where_the_backward_only_sca
     assert rule(class_weight=True) == (True, True, False)  # weighted rows alone: the stored pass weights them
     assert rule(class_weight=True, label_smoothing=0.1) == rule(class_weight=True, z_loss_scale=1e-4) == (False,) * 3
     assert rule(needs=(False, False, False)) == (False,) * 3
+
+
+def test_a_top_k_loss_makes_its_gradients_in_the_forward_where_its_upstream_is_a_scalar(flce, tune):
+    plan, options = submodule(flce, "_plan"), submodule(flce, "_options")
+
+    def rule(needs=(True, True, False), reduction="mean", add_tail=True, dtype=torch.bfloat16, n_rows=8, eager=True):
+        return plan.sparse_grads_in_forward(needs, reduction, add_tail, dtype, n_rows, eager)
+
+    assert rule() == rule(reduction="sum") == (True, True, False)
+    assert rule(needs=(False, True, True)) == (False, True, True)
+    assert rule(reduction="none") == rule(add_tail=False) == rule(dtype=torch.float64) == (False,) * 3
+    assert rule(n_rows=0) == rule(eager=False) == rule(needs=(False,) * 3) == (False,) * 3
+    tune(**DEFAULTS)
+    request = options.Request(grad_hidden=True, grad_weight=True, reduction="none", outputs="log_probs")
+    chosen = plan.plan(request, plan.Shape(8192, 128256, 4096, torch.bfloat16), plan.Hardware(**HOPPER), sparse=True)
+    lines = chosen.explain().splitlines()
+    assert lines[1:3] == ["pipeline: sparse", "gradients in the forward: hidden, weight"]
+    assert any(line.startswith("sparse loss: ") for line in lines)
+    assert chosen.notes == ("gradients of the top-k loss on the (N, K) log-probs, for an upstream of 1",)
 
 
 def test_the_speculation_re_arms_after_a_backward_finds_equal_weights_again(flce):
