@@ -10,7 +10,8 @@ the launchers ask the rules below (``tile_width``, ``logit_tile_choice``, ``gluo
 for what varies per launch. This is the only module that reads the tuning settings.
 
 Whether a per-token forward or a divergence makes its gradients in the sweep depends on what
-the last backward found (``Speculation``): an explicit input of ``grads_in_forward``.
+the last backward found (``Speculation``): an explicit input of ``grads_in_forward``; so does
+whether a kept backward counts its rows with a gradient (``kept_rows_whole``), an input of ``plan``.
 """
 
 import math
@@ -462,6 +463,27 @@ def fullest_chunk(rest: int, chunk: int, row_block: int, even: int, n_chunks: in
 
 # ---- the plan -------------------------------------------------------------------------------------
 PIPELINES = ("factored", "stored", "statistics", "kept", "recompute")
+# A kept backward's row orders, in words (``kept_rows_whole``).
+KEPT_BACKWARD_ORDERS = {
+    "forward": "kept backward: every row the forward computed, its kept parts whole and the rows past them "
+               "recomputed, queued with no host read (the last kept backward of these outputs found a gradient "
+               "on each)",
+    "kept": "kept backward: the rows with a gradient, counted on the host (one read), each kept part's others "
+            "moved out",
+}
+
+
+def kept_rows_whole(speculation: Speculation | None, key: str, capturing: bool) -> bool:
+    """Whether a kept backward takes every row its forward computed (row order "forward"), the kept
+    parts whole and the rows past them recomputed in the same chunks, all queued with no host read:
+    the forward knows their count. Otherwise ("kept") it counts the rows with a gradient on the host
+    first (a read that drains the GPU's queue) and leaves the others out. A row whose upstream is 0
+    has grad logits exactly 0, so both are exact: the first is faster where every computed row has
+    a gradient (GRPO with an entropy bonus, DPO, KTO, RLOO, DFT), the second where many have none
+    (GRPO's tokens of advantage 0 without the bonus). Hence: as ``speculation`` says for ``key``, what
+    the last kept backward of the same outputs found (a fresh key: whole); never while a CUDA graph
+    is captured, nor without a speculation."""
+    return speculation is not None and not capturing and speculation.speculates(key)
 
 
 @dataclass(frozen=True)
@@ -475,7 +497,10 @@ class Plan:
     sweep: str  # the statistics sweep's kernel: "gluon", "tiles" (the logit kernel) or "torch"
     target_logit: str  # "reference" (row references first), "product" (one launch first) or "sweep"
     references_first: bool  # every row's reference and target logit in one launch before the chunks
-    row_order: str  # "targets" (rows with a loss first), "gradients" (rows with a gradient first), "kept", "in place"
+    # "targets" (rows with a loss first), "gradients" (rows with a gradient first), "in place"; a kept
+    # backward's "kept" (its rows with a gradient, counted on the host) or "forward" (the forward's
+    # computed rows, every kept part whole: ``kept_rows_whole``)
+    row_order: str
     row_block: int  # rows in whose multiples the chunks are planned
     chunk_rows: int  # rows per chunk, at most
     grown: bool  # a training step's chunks grown to ``weight_group`` of them
@@ -517,7 +542,9 @@ class Plan:
         if self.pipeline == "factored":
             lines.append("rare target entries: " + ("kept in the products" if self.take_out is None
                                                     else f"out of the products (at most {self.take_out} rows)"))
-        if self.pipeline == "kept":
+        if self.pipeline == "kept" and self.row_order in KEPT_BACKWARD_ORDERS:
+            lines.append(KEPT_BACKWARD_ORDERS[self.row_order])
+        elif self.pipeline == "kept":
             lines.append(f"kept rows: budget {'TRL peak' if self.keep_mib is None else f'{self.keep_mib} MiB'}"
                          f"{'' if self.keep_rows is None else f', at most {self.keep_rows} rows'}, the others "
                          f"recomputed in chunks of {self.recompute_rows}")
@@ -529,11 +556,12 @@ class Plan:
 
 
 def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool = False, keep: bool = False,
-         kept: bool = False) -> Plan:
+         kept: bool = False, speculation: Speculation | None = None) -> Plan:
     """The plan of one call: a forward (``backward`` False) of ``request`` (its gradients those it
     makes in the sweep; with ``keep``, an eager per-token forward whose backward will recompute
     may keep rows), or a recomputing backward (``request``'s gradients those wanted; with
-    ``kept``, from a forward that kept rows). See the module docstring."""
+    ``kept``, from a forward that kept rows, its row order as ``speculation`` says:
+    ``kept_rows_whole``). See the module docstring."""
     opts, n_rows, dtype = request.options, shape.n_rows, shape.dtype
     sharded = shape.sharded
     planning_vocab = shape.planning_vocab_size or shape.vocab_size
@@ -546,11 +574,12 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         chunk = _grown(backend, grads[1], n_rows, planned, planning_vocab, shape, 128)
         n_chunks = _cdiv(n_rows, chunk)
         fp32 = fp32_from_start(shape.vocab_size, shape.hidden_size, shape.element_size, chunk)
+        kept_order = "forward" if kept and kept_rows_whole(speculation, request.outputs, shape.capturing) else "kept"
         return Plan(
             backend=backend, pipeline="kept" if kept else "recompute", sharded=sharded,
             grads_in_forward=(False,) * 3, sweep="tiles" if backend == "triton" else "torch", target_logit="sweep",
             references_first=False,
-            row_order="kept" if kept else "gradients" if skips and not sharded else "in place", row_block=128,
+            row_order=kept_order if kept else "gradients" if skips and not sharded else "in place", row_block=128,
             chunk_rows=chunk, grown=chunk != planned, first_rows=min(chunk, n_rows), sweep_tiles=None,
             n_chunks=n_chunks, weight_sum=_weight_sum(grads[1], shape, n_chunks, fp32),
             weight_group=weight_group(dtype), weight_fp32=fp32, take_out=None, tile_width=width)
