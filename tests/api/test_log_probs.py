@@ -425,6 +425,8 @@ def test_kept_backward_follows_the_last_ones_finding(flce, monkeypatch, tune, dt
         h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
         ref = reference(h64, w64, targets)
         ((ref["log_probs"] * weights[0]).sum() + (ref["entropy"] * weights[1]).sum()).backward()
+        # the bound from the dtype's unit roundoff: the kept buffer's rounding of p (``_kept``'s), and fp32's of
+        # the logits and products, which the recomputed rows pay too
         bounds = _kept_bound(hidden, weight, targets, None, {"temperature": 1.0}, *weights)
         for name, g, e, bound in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), bounds, strict=True):
             excess = (g.double() - e).abs() - bound
