@@ -82,7 +82,7 @@ GRPO_TEMPERATURE = 0.7
 GRPO_ENTROPY_COEF = 0.01
 # Methods that bench.py --base also times on an earlier build.
 BASE_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "flce-sft", "flce-grpo", "flce-grpo-coef0",
-                "flce-per-row")
+                "flce-per-row", "flce-dpo", "flce-kto", "flce-rloo", "flce-dft")
 # Methods whose loss is not the mean cross-entropy: no errors against the reference.
 OTHER_LOSS = ("flce-grpo", "trl-grpo", "flce-grpo-coef0", "trl-grpo-coef0", "trl-glue", "flce-per-row")
 
@@ -682,8 +682,9 @@ def kernel_breakdown(step, steps: int = 3) -> dict:
             "largest_gaps_ms": sorted(gaps, reverse=True)[:8]}
 
 
+# (and the per-token trainers' steps, whose idle time the kept backward's host reads made: docs/design.md, "Kept rows")
 ANATOMY_METHODS = ("fused-linear-ce", "fused-linear-ce-metrics", "torch.compile", "flce-sft", "trl-sft", "trl-glue",
-                   "flce-grpo", "trl-grpo")
+                   *(f"{head}-{kind}" for kind in ("grpo", "dpo", "kto", "rloo", "dft") for head in ("flce", "trl")))
 
 
 def anatomy(fn, hidden, weight, targets) -> dict:
@@ -930,7 +931,7 @@ def main():
                 try:
                     out = measure(fn, hidden, weight, targets, None if name in OTHER_LOSS else ref, args.rep_ms,
                                   args.warmup_ms)
-                    if row in args.anatomy_rows.split(",") and name in ANATOMY_METHODS:
+                    if row in args.anatomy_rows.split(",") and name.removesuffix("@base") in ANATOMY_METHODS:
                         out["anatomy"] = anatomy(fn, hidden, weight, targets)
                 except torch.OutOfMemoryError as e:
                     out = {"error": f"out of memory: {e}"[:200]}

@@ -12,7 +12,13 @@ the statistics (and so every output) as they are without a buffer; on the PyTorc
 fp32 exponentials. The backward turns them into grad logits in place (``grad_from_kept``, one pass
 over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
 kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
-bonus) is left out, as the recompute leaves such rows out: its part's other rows move up in place.
+bonus) gives grad logits exactly 0, so the backward may take it or leave it out; which it does is
+the plan's (``_plan.kept_rows_whole``), from what the last kept backward of the same outputs found
+(``SPECULATION``). Where every row the forward computed had a gradient (GRPO with an entropy bonus,
+DPO, KTO, RLOO, DFT), it takes every part whole and recomputes the computed rows past them: the
+forward knows their count, so the backward queues its work with no host read. Otherwise it counts
+the rows with a gradient first (one host read, ``first_order``) and moves each part's rows with one
+up in place, as the recompute leaves the others out.
 A sparse top-k loss's forward (``_sparse_step``) sweeps its chunks as kept parts (``sweep_part``) and
 turns each into grad logits at once, its upstream being known there.
 
@@ -58,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _plan
-from ._row_order import chunk_of
+from ._row_order import chunk_of, copy_to_host, gradient_mask
 
 # TRL's head's projection tile (see the module docstring): rows, and the glue's chunk_size columns.
 TRL_TILE_ROWS = 4096
@@ -66,6 +72,9 @@ TRL_TILE_COLUMNS = 32768
 # Left free of kept rows under TRL's peak: the step's tensors that the budget does not count one by
 # one (per-row vectors, the backward's row order, the products' fp32 blocks), a few MiB each.
 MARGIN_BYTES = 64 * 2**20
+# What the last kept backward of each outputs key found: whether every row its forward computed had a
+# gradient (``_plan.kept_rows_whole`` reads it).
+SPECULATION = _plan.Speculation()
 
 
 def trl_peak_bytes(n_rows: int, vocab_size: int, hidden_size: int, element_size: int) -> int:
@@ -103,8 +112,9 @@ class KeptPart:
 @dataclass
 class KeptRows:
     """What a per-token forward kept: its first ``count`` computed rows, in parts. ``rows`` [count]
-    int64 are their indices (None: rows [0, count) in place). Used once: ``grad_from_kept`` turns
-    the buffers into grad logits in place."""
+    int64 are their indices (None: rows [0, count) in place); ``order`` [N] int64 is the forward's
+    order, whose first ``computed`` rows it computed (None: rows [0, computed) in place). Used once:
+    ``grad_from_kept`` turns the buffers into grad logits in place."""
 
     row_bytes: int  # a kept row's bytes, as the budget counts them
     room: tuple[int, int]  # ``budgets``
@@ -112,6 +122,8 @@ class KeptRows:
     parts: list[KeptPart] = field(default_factory=list)
     count: int = 0
     rows: torch.Tensor | None = None
+    computed: int = 0
+    order: torch.Tensor | None = None
 
     def rows_to_keep(self, rows_with_target: int) -> int:
         """Rows kept among ``rows_with_target`` (the count, or before it is known the rows of the
@@ -138,16 +150,12 @@ def _first_rows(part: KeptPart, count: int) -> KeptPart:
     return KeptPart(part.start, count, part.buffer[:rows], state, None if part.row_ref is None else part.row_ref[:rows])
 
 
-def first_order(kept: KeptRows, n_rows: int, row_grads: list[torch.Tensor | None]):
-    """(order int64 [N], has_gradient bool [N], counts) for a backward with kept rows, where a row
-    has a gradient if any of ``row_grads`` [N] is not 0 there: each kept part's rows with a
-    gradient (in the forward's order, ascending as the rows with a target are), then the other rows
-    with a gradient (recomputed), then the rest (grad_hidden 0); ``counts`` (one host read) the rows
-    of each part's group, then the recomputed rows'."""
-    has_gradient = torch.zeros(n_rows, device=row_grads[0].device, dtype=torch.bool)
-    for g in row_grads:
-        if g is not None:
-            has_gradient |= g != 0
+def first_order(kept: KeptRows, has_gradient: torch.Tensor):
+    """(order int64 [N], counts) for a backward with kept rows, ``has_gradient`` bool [N] the rows
+    with a gradient: each kept part's rows with a gradient (in the forward's order, ascending as the
+    rows with a target are), then the other rows with a gradient (recomputed), then the rest
+    (grad_hidden 0); ``counts`` (one host read) the rows of each part's group, then the recomputed
+    rows'."""
     n_parts = len(kept.parts)
     group = torch.where(has_gradient, n_parts, n_parts + 1).to(torch.int32)
     for p, part in enumerate(kept.parts):
@@ -158,7 +166,7 @@ def first_order(kept: KeptRows, n_rows: int, row_grads: list[torch.Tensor | None
             group.index_copy_(0, rows, torch.where(has_gradient[rows], p, n_parts + 1).to(torch.int32))
     order = torch.argsort(group, stable=True)
     counts = torch.bincount(group, minlength=n_parts + 2)[: n_parts + 1].tolist()
-    return order, has_gradient, counts
+    return order, counts
 
 
 def part_rows(kept: KeptRows, part: KeptPart):
@@ -243,27 +251,45 @@ def forward_chunks(step) -> "KeptRows":
             stats, _, _ = step.row_stats(cut, end, hidden_c[rest], targets_c[rest], None, None)
             step.finish(stats, cut, end)
     row_order = step.row_order
+    kept.computed = n_rows
     if row_order is not None:
+        kept.computed = row_order.rows_to_compute()
         # A first chunk planned before the count was known may end in rows without a target: not kept.
-        kept.trim(row_order.rows_to_compute())
-        if kept.count > row_order.in_place:
+        kept.trim(kept.computed)
+        if kept.computed > row_order.in_place:  # (some rows without a target: the order is no identity)
+            kept.order = row_order.order
             kept.rows = row_order.order[: kept.count]
     return kept
 
 
-class KeptFirstOrder:
-    """A backward's row order with the kept rows that have a gradient first (``first_order``), as
-    ``_row_order.RowOrder`` serves the chunk loop: positions [0, kept) are those rows, part after
-    part, [kept, count) the rows recomputed."""
+class KeptOrder:
+    """A kept backward's row order, as ``_row_order.RowOrder`` serves the chunk loop: positions
+    [0, kept) are the kept rows it takes, part after part (``part_rows`` of each), [kept, total)
+    the rows it recomputes, the rest none (grad_hidden 0). ``order`` int64 [N] (None: the
+    identity, ``in_place`` = N); ``has_gradient`` bool [N] where a part's rows without a gradient
+    are left out (None: every part whole). Made by ``with_gradient`` or ``whole``."""
 
-    def __init__(self, kept: "KeptRows", n_rows: int, row_grads: list):
-        self.order, self.has_gradient, counts = first_order(kept, n_rows, row_grads)
-        self.part_rows, self.kept = counts[:-1], sum(counts[:-1])
-        self.total = self.kept + counts[-1]
-        self.n_rows = n_rows
+    def __init__(self, order, part_rows: list[int], total: int, n_rows: int, in_place: int, has_gradient=None):
+        self.order, self.part_rows, self.has_gradient = order, part_rows, has_gradient
+        self.kept, self.total, self.n_rows, self.in_place = sum(part_rows), total, n_rows, in_place
+
+    @classmethod
+    def with_gradient(cls, kept: "KeptRows", n_rows: int, has_gradient: torch.Tensor) -> "KeptOrder":
+        """The rows with a gradient (``has_gradient`` bool [N]), the kept ones first (``first_order``:
+        one host read)."""
+        order, counts = first_order(kept, has_gradient)
+        total = sum(counts)
         # rows [0, kept.count) in place, each with a gradient: the order begins as the identity
-        identity = kept.rows is None and self.kept == kept.count
-        self.in_place = 0 if not identity else n_rows if self.total == n_rows else kept.count
+        identity = kept.rows is None and sum(counts[:-1]) == kept.count
+        in_place = 0 if not identity else n_rows if total == n_rows else kept.count
+        return cls(order, counts[:-1], total, n_rows, in_place, has_gradient)
+
+    @classmethod
+    def whole(cls, kept: "KeptRows", n_rows: int) -> "KeptOrder":
+        """Every row the forward computed, in its order: the kept parts whole, then the rows past
+        them; nothing read on the host."""
+        return cls(kept.order, [part.end - part.start for part in kept.parts], kept.computed, n_rows,
+                   n_rows if kept.order is None else 0)
 
     def take(self, t: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the order, of ``t`` [N, ...]."""
@@ -274,16 +300,39 @@ class KeptFirstOrder:
         return self.total
 
     def chunks(self, chunk: int) -> int:
-        """The chunks of the backward: the kept parts with a gradient, and chunks of at most
-        ``chunk`` recomputed rows."""
+        """The chunks of the backward: the kept parts taken, and chunks of at most ``chunk``
+        recomputed rows."""
         return sum(1 for rows in self.part_rows if rows) + -(-(self.total - self.kept) // chunk)
 
 
-def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients, hidden, weight, per_row: tuple,
+def backward_order(kept: "KeptRows", n_rows: int, row_grads: list, whole: bool, key: str) -> KeptOrder:
+    """The row order of a kept backward whose per-row upstream gradients are ``row_grads`` [N] (or
+    None): with ``whole`` (``_plan.kept_rows_whole``) every row the forward computed, and its
+    verdict for the next kept backward of ``key`` (did each of those rows have a gradient?)
+    queued on the device; else the rows with a gradient, counted on the host, whose counts give
+    the verdict (``SPECULATION``)."""
+    has_gradient = gradient_mask(row_grads)
+    if whole:
+        SPECULATION.recheck(key, copy_to_host(_every_computed_row(kept, has_gradient)))
+        return KeptOrder.whole(kept, n_rows)
+    row_order = KeptOrder.with_gradient(kept, n_rows, has_gradient)
+    # (rows without a target have no gradient: every computed row has one where their counts agree)
+    SPECULATION.found(key, row_order.total == kept.computed)
+    return row_order
+
+
+def _every_computed_row(kept: "KeptRows", has_gradient: torch.Tensor) -> torch.Tensor:
+    """[1] fp32: 1 where every row the forward computed has a gradient (``has_gradient`` bool [N]), else 0."""
+    computed = (has_gradient[: kept.computed] if kept.order is None
+                else has_gradient.index_select(0, kept.order[: kept.computed]))
+    return computed.all().float().reshape(1)
+
+
+def _kept_grads(kept: "KeptRows", backend, row_order: KeptOrder, gradients, hidden, weight, per_row: tuple,
                 opts) -> None:
-    """The kept rows' share of a backward: each kept part's rows with a gradient (moved to its first
-    rows where others have none), their grad logits from the buffer (in place, ``grad_from_kept``)
-    and the two products; the parts' buffers are released as they are used."""
+    """The kept rows' share of a backward: each kept part's rows that ``row_order`` takes (moved to
+    its first rows where it leaves others out), their grad logits from the buffer (in place,
+    ``grad_from_kept``) and the two products; the parts' buffers are released as they are used."""
     position = 0
     for rows_with_gradient in row_order.part_rows:
         part = kept.parts.pop(0)
@@ -301,7 +350,7 @@ def _kept_grads(kept: "KeptRows", backend, row_order: KeptFirstOrder, gradients,
             grad_logits, position = None, end
 
 
-def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, chunk: int, hidden, weight, bias,
+def _recomputed_rows(backend, row_order: KeptOrder, start: int, gradients, chunk: int, hidden, weight, bias,
                      opts, per_row: tuple, class_weight) -> None:
     """The rows after the kept ones, positions [start, count) of ``row_order``, by recomputation, in
     chunks of at most ``chunk`` rows."""
@@ -319,7 +368,7 @@ def _recomputed_rows(backend, row_order: KeptFirstOrder, start: int, gradients, 
         gradients.add(start + first, start + last, hidden_c, grad_logits, weight)
 
 
-def backward(kept: KeptRows, backend, row_order: KeptFirstOrder, gradients, chunk: int, hidden, weight, bias, opts,
+def backward(kept: KeptRows, backend, row_order: KeptOrder, gradients, chunk: int, hidden, weight, bias, opts,
              per_row: tuple, class_weight) -> None:
     """A per-token backward with kept rows (``_chunked.backward``): the kept rows from their buffers,
     then the other rows with a gradient by recomputation, into ``gradients`` (``_gradients.Gradients``);

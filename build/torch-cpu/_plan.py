@@ -9,10 +9,10 @@ the chunking, the grad-weight accumulation and whether the gradients are made in
 the launchers ask the rules below (``tile_width``, ``logit_tile_choice``, ``gluon_sweep``, ...)
 for what varies per launch. This is the only module that reads the tuning settings.
 
-Whether a per-token forward or a divergence makes its gradients in the sweep depends on what
-the last backward found (``Speculation``): an explicit input of ``grads_in_forward``. A sparse
-top-k loss makes them where its upstream is a scalar (``sparse_grads_in_forward``).
-"""
+What the last backward found (``Speculation``) is an explicit input: of ``grads_in_forward`` (a
+per-token forward's or a divergence's gradients made in the sweep), and of ``plan`` (whether a
+kept backward counts its rows, ``kept_rows_whole``). A top-k loss makes its gradients in the
+forward where its upstream is a scalar (``sparse_grads_in_forward``)."""
 
 import math
 import os
@@ -246,14 +246,12 @@ def precompiles() -> bool:
 def rare_target() -> int | None:
     """Rows a factored step's target may be shared by for its entries to leave the products
     (``rare_target``); None: every entry stays in."""
-    rare = tuning().rare_target
-    return None if rare < 0 else rare
+    return None if tuning().rare_target < 0 else tuning().rare_target
 
 
 def keep_budget() -> tuple[int | None, int | None]:
     """(``keep_mib``, ``keep_rows``) of a per-token forward's kept rows (``_kept``)."""
-    chosen = tuning()
-    return chosen.keep_mib, chosen.keep_rows
+    return tuning().keep_mib, tuning().keep_rows
 
 
 # ---- the chunking --------------------------------------------------------------------------------
@@ -274,13 +272,11 @@ def chunk_rows(backend: str, n_rows: int, vocab_size: int, dtype: torch.dtype, t
     ``shards`` ranks takes ``shards`` times the rows.
 
     Triton: training keeps a chunk's logits (rows x V) in a buffer of at most ``buffer_mib`` (768
-    MiB) and ``chunk_rows`` (1536) rows, and the chunk's whole working set (``chunk_bytes``)
-    within ``working_set_rows`` (2048) rows of logits (so, on a small vocabulary, fewer rows; a
-    step of many chunks may then grow them: ``grown_chunk``); the forward alone keeps only
-    per-tile statistics and takes up to 4096 rows. With ``spread`` the ``n_rows`` are spread
-    evenly over the chunks (in whole ``row_block``s), so that no small last chunk runs at a loss;
-    without it (the rows to compute are not known yet) the largest chunk. A forward's largest
-    chunk is whole ``row_block``s too; training's is the memory's (a multiple of 128).
+    MiB) and ``chunk_rows`` (1536) rows, its working set (``chunk_bytes``) within
+    ``working_set_rows`` (2048) rows of logits (a step of many chunks may grow them:
+    ``grown_chunk``); the forward alone takes up to 4096 rows (whole ``row_block``s). With
+    ``spread`` the ``n_rows`` are spread evenly over the chunks (in whole ``row_block``s), so that
+    no small last chunk runs at a loss; without it (the rows to compute not known yet) the largest.
 
     PyTorch: the chunk's fp32 logits, one fp32 temporary of their size and, for 16-bit inputs,
     the grad logits cast to that dtype stay under ``buffer_mib`` (256) together; the largest
@@ -463,6 +459,20 @@ def fullest_chunk(rest: int, chunk: int, row_block: int, even: int, n_chunks: in
 
 # ---- the plan -------------------------------------------------------------------------------------
 PIPELINES = ("factored", "stored", "statistics", "kept", "recompute", "sparse")
+# A kept backward's row orders, in words (``kept_rows_whole``).
+KEPT_BACKWARD_ORDERS = {
+    "forward": "kept backward: every computed row, kept parts whole, the rest recomputed; no host read",
+    "kept": "kept backward: the rows with a gradient, counted on the host (one read), the others left out",
+}
+
+
+def kept_rows_whole(speculation: Speculation | None, key: str, capturing: bool) -> bool:
+    """Whether a kept backward takes every row its forward computed with no host read (row order
+    "forward"), or counts the rows with a gradient first ("kept"; one read that drains the GPU's
+    queue) and leaves the others out. Both are exact (a zero upstream gives zero grad logits); the
+    first is faster where every row has a gradient, the second where many have none (``_kept``).
+    As ``speculation`` says for ``key`` (a fresh key: whole); never while a graph is captured."""
+    return speculation is not None and not capturing and speculation.speculates(key)
 
 
 @dataclass(frozen=True)
@@ -476,7 +486,10 @@ class Plan:
     sweep: str  # the statistics sweep's kernel: "gluon", "tiles" (the logit kernel) or "torch"
     target_logit: str  # "reference" (row references first), "product" (one launch first) or "sweep"
     references_first: bool  # every row's reference and target logit in one launch before the chunks
-    row_order: str  # "targets" (rows with a loss first), "gradients" (rows with a gradient first), "kept", "in place"
+    # "targets" (rows with a loss first), "gradients" (rows with a gradient first), "in place"; a kept
+    # backward's "kept" (its rows with a gradient, counted on the host) or "forward" (the forward's
+    # computed rows, every kept part whole: ``kept_rows_whole``)
+    row_order: str
     row_block: int  # rows in whose multiples the chunks are planned
     chunk_rows: int  # rows per chunk, at most
     grown: bool  # a training step's chunks grown to ``weight_group`` of them
@@ -519,9 +532,10 @@ class Plan:
             lines.append("rare target entries: " + ("kept in the products" if self.take_out is None
                                                     else f"out of the products (at most {self.take_out} rows)"))
         if self.pipeline == "sparse":
-            lines.append("sparse loss: each chunk's buffer turned into the grad logits of its top-k loss (g from the "
-                         "loss on the chunk's (rows, K) log-probs), then the two products; the backward scales them")
-        if self.pipeline == "kept":
+            lines.append("sparse loss: each chunk's grad logits from its buffer and its top-k loss, then the products")
+        if self.pipeline == "kept" and self.row_order in KEPT_BACKWARD_ORDERS:
+            lines.append(KEPT_BACKWARD_ORDERS[self.row_order])
+        elif self.pipeline == "kept":
             lines.append(f"kept rows: budget {'TRL peak' if self.keep_mib is None else f'{self.keep_mib} MiB'}"
                          f"{'' if self.keep_rows is None else f', at most {self.keep_rows} rows'}, the others "
                          f"recomputed in chunks of {self.recompute_rows}")
@@ -533,13 +547,13 @@ class Plan:
 
 
 def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool = False, keep: bool = False,
-         kept: bool = False, sparse: bool = False) -> Plan:
+         kept: bool = False, sparse: bool = False, speculation: Speculation | None = None) -> Plan:
     """The plan of one call: a forward (``backward`` False) of ``request`` (its gradients those it
     makes in the sweep; with ``keep``, an eager per-token forward whose backward will recompute
     may keep rows; with ``sparse``, a top-k loss's forward whose gradients ``sparse_grads_in_forward``
     makes: pipeline "sparse", chunked as a training step), or a recomputing backward
-    (``request``'s gradients those wanted; with ``kept``, from a forward that kept rows). See the
-    module docstring."""
+    (``request``'s gradients those wanted; with ``kept``, from a forward that kept rows, its row
+    order as ``speculation`` says: ``kept_rows_whole``). See the module docstring."""
     opts, n_rows, dtype = request.options, shape.n_rows, shape.dtype
     sharded = shape.sharded
     planning_vocab = shape.planning_vocab_size or shape.vocab_size
@@ -552,11 +566,12 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         chunk = _grown(backend, grads[1], n_rows, planned, planning_vocab, shape, 128)
         n_chunks = _cdiv(n_rows, chunk)
         fp32 = fp32_from_start(shape.vocab_size, shape.hidden_size, shape.element_size, chunk)
+        kept_order = "forward" if kept and kept_rows_whole(speculation, request.outputs, shape.capturing) else "kept"
         return Plan(
             backend=backend, pipeline="kept" if kept else "recompute", sharded=sharded,
             grads_in_forward=(False,) * 3, sweep="tiles" if backend == "triton" else "torch", target_logit="sweep",
             references_first=False,
-            row_order="kept" if kept else "gradients" if skips and not sharded else "in place", row_block=128,
+            row_order=kept_order if kept else "gradients" if skips and not sharded else "in place", row_block=128,
             chunk_rows=chunk, grown=chunk != planned, first_rows=min(chunk, n_rows), sweep_tiles=None,
             n_chunks=n_chunks, weight_sum=_weight_sum(grads[1], shape, n_chunks, fp32),
             weight_group=weight_group(dtype), weight_fp32=fp32, take_out=None, tile_width=width)
@@ -595,11 +610,9 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         row_block=block, chunk_rows=chunk, grown=training and chunk != planned,
         first_rows=first_chunk_rows(n_rows, chunk, ordered, training, block, tiles), sweep_tiles=tiles,
         n_chunks=n_chunks, weight_sum=_weight_sum(grads[1], shape, n_chunks, fp32),
-        weight_group=weight_group(dtype), weight_fp32=fp32,
+        weight_group=weight_group(dtype), weight_fp32=fp32, tile_width=width,
         take_out=rare_target() if factored and grads[1] and pipeline != "sparse" else None,
-        tile_width=width,
-        recompute_rows=recompute, recompute_bytes=recompute_bytes,
-        keep_mib=keep_mib, keep_rows=keep_rows,
+        recompute_rows=recompute, recompute_bytes=recompute_bytes, keep_mib=keep_mib, keep_rows=keep_rows,
         notes=_notes(request, pipeline, training))
 
 
@@ -671,13 +684,10 @@ def token_grads_in_forward(needs, allowed: bool, grad_in_forward: bool | None, s
 
 def sparse_grads_in_forward(needs, reduction: str, add_tail: bool, dtype: torch.dtype, n_rows: int,
                             eager: bool) -> tuple[bool, bool, bool]:
-    """Which of a sparse top-k loss's gradients ``needs`` (hidden, weight, bias) its forward makes,
-    chunk by chunk from each chunk's buffer (pipeline "sparse": 6 N V H flops, the loss's training
-    step's memory), for the backward only to scale: with the tail bucket (without it the loss takes
-    the K logits alone, no sweep), reduction "mean" or "sum" (a scalar upstream; "none" gets a
-    per-row one, known only in the backward: kept rows or the recompute, 8 N V H), not float64
-    (gradcheck backpropagates more than once), with rows, and ``eager``: not traced (torch.compile,
-    torch.func) nor captured into a CUDA graph, as the chunk loop reads a count on the host."""
+    """Which of a top-k loss's gradients ``needs`` its forward makes from each chunk's buffer
+    (pipeline "sparse", ``_sparse_step``: 6 N V H), for the backward to scale: with the tail bucket
+    (without it no sweep is needed), a scalar upstream ("mean" or "sum"), not float64 (gradcheck),
+    with rows, and ``eager`` (not traced nor captured: the chunk loop reads a count on the host)."""
     in_forward = (any(needs) and add_tail and reduction in ("mean", "sum") and dtype != torch.float64
                   and n_rows > 0 and eager)
     return tuple(bool(in_forward and n) for n in needs)

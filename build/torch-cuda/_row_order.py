@@ -61,15 +61,22 @@ def chunk_of(t: torch.Tensor | None, row_order: RowOrder | None, start: int, end
     return t[start:end] if row_order is None else row_order.take(t, start, end)
 
 
+def gradient_mask(row_grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """bool [N]: the rows where any of ``row_grads`` (per-row upstream gradients [N], or None) is
+    not 0, those whose grad logits are not all exactly 0."""
+    row_grads = [g for g in row_grads if g is not None]
+    has_gradient = row_grads[0] != 0
+    for g in row_grads[1:]:
+        has_gradient |= g != 0
+    return has_gradient
+
+
 def rows_with_gradient(backend, row_grads: list[torch.Tensor | None]) -> RowOrder:
     """For a recomputing backward: a ``RowOrder`` of the rows where any of ``row_grads`` (per-row
     upstream gradients [N], or None) is not 0. A row whose upstream gradients are all 0 has grad
     logits exactly 0 (ignored targets; in RL, tokens of a group whose rewards are all equal, hence
     advantages 0), so it is left out of the 8 N V H flops and gets a zero grad_hidden."""
-    row_grads = [g for g in row_grads if g is not None]
-    has_gradient = row_grads[0] != 0
-    for g in row_grads[1:]:
-        has_gradient |= g != 0
+    has_gradient = gradient_mask(row_grads)
     # The order kernel puts the rows whose "target" is not ignore_index (here 0) first; "mean" as
     # the forwards' (its d loss / d loss_i go unused): the specialisation their first call compiles.
     return RowOrder(backend, has_gradient.long(), 0, True)

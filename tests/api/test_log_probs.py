@@ -296,30 +296,14 @@ def _kept_bound(hidden, weight, targets, bias, options, log_prob_weight, entropy
     return bound_h, bound_w
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("budget", ["all", "some", "off"])
-@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"temperature": 0.7, "softcap": 3.0, "bias": True}],
-                         ids=["temperature", "softcap-bias"])
-def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, path):
-    """GRPO-like weights (per-token advantages, a quarter of them 0, and an entropy bonus) on rows of
-    every kind: kept by the forward (every row with a target, 11 of them in chunks of 8: a chunk cut
-    by the budget, or none), recomputed and ignored. The gradients are within ``_kept``'s bound of
-    float64 autograd (elementwise), equal to the recomputing backward's within the dtype's
-    tolerance, and exactly 0 on the rows without gradient; the backward computes each row with a
-    gradient once, from its kept buffer or by recomputation, and no row without one."""
-    options = dict(options)
-    hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=12, bias=options.pop("bias", False),
-                                                ignore=0.2, device=path.device)
-    tune(chunk_rows=8, keep_mib={"off": 0}.get(budget, 1), keep_rows={"some": 11}.get(budget))
-    gen = torch.Generator().manual_seed(13)
-    log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64)
-    log_prob_weight[torch.rand(36, generator=gen) < 0.25] = 0.0
-    entropy_weight = torch.where(log_prob_weight != 0, 0.01 * torch.randn(36, generator=gen, dtype=torch.float64), 0.0)
-    log_prob_weight, entropy_weight = log_prob_weight.to(path.device), entropy_weight.to(path.device)
+def _counting_rows(monkeypatch, flce, path) -> dict:
+    """Counts the rows the backwards take on ``path``: those whose grad logits come from a kept
+    buffer (``grad_from_kept``) and those recomputed (``grad_logits``), through monkeypatched
+    backend functions (a kept chunk's buffer, a recomputed chunk's hidden rows: rows x ...)."""
     backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
     rows = {"kept": 0, "recomputed": 0}
 
-    def counting(function, key):  # (a kept chunk's buffer, a recomputed chunk's hidden rows: rows x ...)
+    def counting(function, key):
         def counted(rows_first, *a, **k):
             rows[key] += rows_first.shape[0]
             return function(rows_first, *a, **k)
@@ -327,6 +311,38 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
 
     monkeypatch.setattr(backend, "grad_from_kept", counting(backend.grad_from_kept, "kept"))
     monkeypatch.setattr(backend, "grad_logits", counting(backend.grad_logits, "recomputed"))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("budget", "whole"), [("all", True), ("all", False), ("some", True), ("some", False),
+                                               ("off", None)],
+                         ids=["all-whole", "all-counted", "some-whole", "some-counted", "off"])
+@pytest.mark.parametrize("options", [{"temperature": 0.7}, {"temperature": 0.7, "softcap": 3.0, "bias": True}],
+                         ids=["temperature", "softcap-bias"])
+def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, options, path):
+    """GRPO-like weights (per-token advantages, a quarter of them 0, and an entropy bonus) on rows of
+    every kind: kept by the forward (every row with a target, 11 of them in chunks of 8: a chunk cut
+    by the budget, or none), recomputed and ignored. The gradients are within ``_kept``'s bound of
+    float64 autograd (elementwise), equal to the recomputing backward's within the dtype's
+    tolerance, and exactly 0 on the rows without gradient, whichever way the backward goes: where
+    the last kept backward found a gradient on every computed row (``whole``; wrong here) it takes
+    every row its forward computed, kept parts whole; otherwise each row with a gradient once, from
+    its kept buffer or by recomputation, and no row without one. Either way it finds rows without
+    gradient, for the next backward."""
+    options = dict(options)
+    hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=12, bias=options.pop("bias", False),
+                                                ignore=0.2, device=path.device)
+    tune(chunk_rows=8, keep_mib={"off": 0}.get(budget, 1), keep_rows={"some": 11}.get(budget))
+    speculation, key = submodule(flce, "_kept").SPECULATION, "entropy,log_probs"
+    if whole is not None:
+        speculation.found(key, whole)  # what the last kept backward of these outputs found
+    gen = torch.Generator().manual_seed(13)
+    log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64)
+    log_prob_weight[torch.rand(36, generator=gen) < 0.25] = 0.0
+    entropy_weight = torch.where(log_prob_weight != 0, 0.01 * torch.randn(36, generator=gen, dtype=torch.float64), 0.0)
+    log_prob_weight, entropy_weight = log_prob_weight.to(path.device), entropy_weight.to(path.device)
+    rows = _counting_rows(monkeypatch, flce, path)
 
     def loss():
         out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=("log_probs", "entropy"),
@@ -336,11 +352,16 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
     got = _grads(loss, tensors)
     with_gradient = (log_prob_weight != 0) & (targets != -100)
-    # the kept rows: the first rows with a target (all, 11 or none); those without gradient are left out
+    # the kept rows: the first rows with a target (all, 11 or none); those without gradient are left
+    # out unless the backward takes every computed row (those with a target)
     kept_rows = torch.nonzero(targets != -100)[:, 0][: {"all": 36, "some": 11, "off": 0}[budget]]
     kept = int(with_gradient[kept_rows].sum())
-    assert rows["kept"] == kept and 0 < kept < len(kept_rows) or budget == "off", (rows, len(kept_rows))
-    assert rows["recomputed"] == int(with_gradient.sum()) - kept, rows
+    if whole:
+        assert rows == {"kept": len(kept_rows), "recomputed": int((targets != -100).sum()) - len(kept_rows)}, rows
+    else:
+        assert rows["kept"] == kept and 0 < kept < len(kept_rows) or budget == "off", (rows, len(kept_rows))
+        assert rows["recomputed"] == int(with_gradient.sum()) - kept, rows
+    assert budget == "off" or not speculation.speculates(key)  # rows without gradient: counted next time
     assert torch.equal(got[0][~with_gradient], torch.zeros_like(got[0][~with_gradient]))
     h64, w64, b64 = (None if t is None else t.detach().double().requires_grad_() for t in (hidden, weight, bias))
     ref = reference(h64, w64, targets, b64, **options)
@@ -353,6 +374,66 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, options, pa
     recomputed = _grads(loss, tensors)
     for name, g, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got, recomputed, strict=False):
         assert_rel(g, e, tolerance(dtype, "grad"), f"{name} against the recomputing backward")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_backward_follows_the_last_ones_finding(flce, monkeypatch, tune, dtype, path):
+    """Calls whose upstream reaches [every row with a target, all but a third of them, every row,
+    every row] (fresh random weights each call, an entropy bonus on the same rows): a fresh key
+    takes every row the forward computed, kept parts whole, with no host read (call 1); so does
+    call 2, wrongly (its rows without gradient computed too); its check, queued on the device,
+    makes call 3 count its rows with a gradient on the host (``first_order``), and call 3's counts
+    make call 4 take them whole again. Kept rows (11: a chunk of 8 and one cut by the budget),
+    recomputed and ignored rows each call; every call's gradients within ``_kept``'s bound of
+    float64 autograd, exactly 0 on the rows without gradient."""
+    tune(chunk_rows=8, keep_mib=1, keep_rows=11)
+    kept_module, key = submodule(flce, "_kept"), "entropy,log_probs"
+    kept_module.SPECULATION.forget(key)  # as a fresh process: no earlier kept backward
+    hidden, weight, targets, _ = make_inputs(36, 32, 97, dtype, seed=18, ignore=0.2, device=path.device)
+    rows = _counting_rows(monkeypatch, flce, path)
+    host_reads = []  # a call of ``first_order``: the counts of the rows with a gradient read on the host
+    first_order = kept_module.first_order
+    monkeypatch.setattr(kept_module, "first_order", lambda *a: host_reads.append(None) or first_order(*a))
+    with_target = targets != -100
+    kept_rows, recomputed_rows = torch.nonzero(with_target)[:, 0][:11], torch.nonzero(with_target)[:, 0][11:]
+    gen = torch.Generator().manual_seed(19)
+    paths, verdicts = [], []
+    for call, every_row in enumerate([True, False, True, True]):
+        log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64)
+        if not every_row:
+            log_prob_weight[torch.rand(36, generator=gen) < 1 / 3] = 0.0
+        entropy_weight = torch.where(log_prob_weight != 0, 0.01 * torch.randn(36, generator=gen, dtype=torch.float64),
+                                     0.0)
+        with_gradient = (log_prob_weight != 0).to(path.device) & with_target
+        without = with_target & ~with_gradient  # (rows with a target but no gradient: kept and recomputed ones)
+        assert every_row or (without[kept_rows].any() and without[recomputed_rows].any())
+        weights = [w.to(path.device) for w in (log_prob_weight, entropy_weight)]
+
+        def loss(log_prob_weight=weights[0], entropy_weight=weights[1]):
+            out = flce.fused_linear_log_probs(hidden, weight, targets, outputs=("log_probs", "entropy"),
+                                              grad_in_forward=False)
+            return (out.log_probs.double() * log_prob_weight).sum() + (out.entropy.double() * entropy_weight).sum()
+
+        rows.update(kept=0, recomputed=0)
+        reads_before = len(host_reads)
+        got = _grads(loss, (hidden, weight))
+        paths.append("counted" if len(host_reads) > reads_before else "whole")
+        verdicts.append(kept_module.SPECULATION.speculates(key))
+        taken = with_target if paths[-1] == "whole" else with_gradient
+        assert rows == {"kept": int(taken[kept_rows].sum()), "recomputed": int(taken.sum() - taken[kept_rows].sum())}
+        assert torch.equal(got[0][~with_gradient], torch.zeros_like(got[0][~with_gradient])), f"call {call}"
+        h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+        ref = reference(h64, w64, targets)
+        ((ref["log_probs"] * weights[0]).sum() + (ref["entropy"] * weights[1]).sum()).backward()
+        # the bound from the dtype's unit roundoff: the kept buffer's rounding of p (``_kept``'s), and fp32's of
+        # the logits and products, which the recomputed rows pay too
+        bounds = _kept_bound(hidden, weight, targets, None, {"temperature": 1.0}, *weights)
+        for name, g, e, bound in zip(("grad_hidden", "grad_weight"), got, (h64.grad, w64.grad), bounds, strict=True):
+            excess = (g.double() - e).abs() - bound
+            assert excess.max() <= 0, f"call {call} {name}: {excess.max():.3g} over the bound"
+    assert paths == ["whole", "whole", "counted", "whole"]
+    assert verdicts == [True, False, True, True]
+    kept_module.SPECULATION.forget(key)
 
 
 def test_the_sweep_re_arms_after_unequal_weights(flce, monkeypatch):

@@ -244,7 +244,7 @@ def test_the_plan_of_the_forward_says_so(flce, tune):
     request = options.Request(grad_hidden=True, grad_weight=True, reduction="none", outputs="log_probs")
     text = chunked.plan_of(hidden, weight, None, request, sparse=True).explain()
     assert "pipeline: sparse" in text and "gradients in the forward: hidden, weight" in text
-    assert "sparse loss: each chunk's buffer" in text
+    assert "sparse loss: each chunk's grad logits from its buffer" in text
 
 
 def test_a_second_backward_raises(flce, path):

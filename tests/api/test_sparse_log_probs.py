@@ -5,7 +5,7 @@ both paths (the Triton kernels, in the interpreter on a CPU, and the PyTorch pat
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, assert_rel, tolerance
+from conftest import DEVICE, DTYPES, assert_rel, submodule, tolerance
 
 IGNORE = -100
 
@@ -119,23 +119,28 @@ def test_one_id_a_row_is_the_per_token_call(flce, path):
         assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("budget", ["recomputed", "kept"])
+@pytest.mark.parametrize("budget", ["recomputed", "kept-whole", "kept-counted"])
 def test_rows_whose_gradient_is_the_other_ids_alone(flce, path, tune, budget):
     """An upstream of 0 at a row's first id and opposite values at two others: the row's lse and
     loss coefficients are 0, yet its grad logits are not. Such rows (the even ones; the odd ones
-    have an lse gradient) must not be left out of a backward of several chunks, kept or not."""
-    tune(chunk_rows=2, keep_mib={"kept": 1}.get(budget, 0), keep_rows={"kept": 5}.get(budget))
+    have an lse gradient) must not be left out of a backward of several chunks, kept or not; rows
+    3 (kept) and 8 (recomputed) have no upstream at all, and a grad_hidden of exactly 0 whether the
+    kept backward takes every computed row (``whole``) or counts those with a gradient."""
+    tune(chunk_rows=2, keep_mib=0 if budget == "recomputed" else 1, keep_rows=None if budget == "recomputed" else 5)
+    submodule(flce, "_kept").SPECULATION.found("log_probs", budget == "kept-whole")
     hidden, weight, _, _ = make_sparse_inputs(12, 16, 37, 3, torch.float32, seed=13, device=path.device)
     gen = torch.Generator().manual_seed(14)
     ids = torch.stack([torch.randperm(37, generator=gen)[:3] for _ in range(12)]).to(path.device)
     a = torch.rand(12, generator=gen, dtype=torch.float64) + 0.5
     upstream = torch.stack([torch.zeros_like(a), a, -a], dim=1)
     upstream[1::2, 2] *= 0.5
+    upstream[[3, 8]] = 0.0
     upstream = upstream.to(path.device)
     got = flce.fused_linear_log_probs(hidden, weight, ids)
     (got.log_probs.double() * upstream).sum().backward()
     h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     (reference(h64, w64, ids)["log_probs"] * upstream).sum().backward()
+    assert torch.equal(hidden.grad[[3, 8]], torch.zeros_like(hidden.grad[[3, 8]]))
     assert_rel(hidden.grad, h64.grad, tolerance(torch.float32, "grad"), "grad_hidden")
     assert_rel(weight.grad, w64.grad, tolerance(torch.float32, "grad"), "grad_weight")
 

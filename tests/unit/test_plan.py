@@ -118,6 +118,18 @@ CASES = {
                           dict(pipeline="recompute", row_order="in place", sharded=True)),
     "recompute_kept": (dict(GRADS), dict(n_rows=1024, **LLAMA3), HOPPER, dict(backward=True, kept=True), {},
                        dict(pipeline="kept", row_order="kept")),
+    # A kept backward's order as the last kept backward of its outputs found (``speculation``: what it
+    # found, a gradient on every row the forward computed or not; "fresh": none seen): every computed
+    # row, no host read ("forward"), or the rows with a gradient counted ("kept"); counted while captured.
+    "kept_backward_fresh": (dict(GRADS, outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER,
+                            dict(backward=True, kept=True, speculation="fresh"), {},
+                            dict(pipeline="kept", row_order="forward")),
+    "kept_backward_every_row": (dict(GRADS, outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER,
+                                dict(backward=True, kept=True, speculation=True), {}, dict(row_order="forward")),
+    "kept_backward_counted": (dict(GRADS, outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER,
+                              dict(backward=True, kept=True, speculation=False), {}, dict(row_order="kept")),
+    "kept_backward_captured": (dict(GRADS, outputs="log_probs"), dict(n_rows=1024, capturing=True, **LLAMA3), HOPPER,
+                               dict(backward=True, kept=True, speculation=True), {}, dict(row_order="kept")),
     # The PyTorch backend: 256 MiB / (5000 x 8 B) = 6710 rows, so one chunk of the 1000.
     "torch": (dict(GRADS), dict(n_rows=1000, vocab_size=5000, hidden_size=64, dtype=torch.float32), TORCH, {}, {},
               dict(backend="torch", pipeline="stored", sweep="torch", target_logit="sweep", row_block=128,
@@ -144,6 +156,11 @@ def test_the_plan_table(flce, tune, case):
     tune(**{**DEFAULTS, **settings})
     option_values, flags = _options_and_flags(request)
     shape = {"dtype": torch.bfloat16, **shape}
+    if "speculation" in keywords:  # a Speculation that found it for the request's outputs, or a fresh one
+        found, speculation = keywords["speculation"], plan.Speculation()
+        if found != "fresh":
+            speculation.found(flags.get("outputs", ""), found)
+        keywords = {**keywords, "speculation": speculation}
     chosen = plan.plan(options.Request(options.LossOptions(**option_values), **flags), plan.Shape(**shape),
                        plan.Hardware(**hardware), **keywords)
     expected = dict(expected)
@@ -167,7 +184,7 @@ def test_the_table_reaches_every_pipeline_and_choice(flce):
     assert reached["pipeline"] == set(plan.PIPELINES)
     assert reached["sweep"] == {"gluon", "tiles", "torch"}
     assert reached["target_logit"] == {"reference", "product", "sweep"}
-    assert reached["row_order"] == {"targets", "gradients", "kept", "in place"}
+    assert reached["row_order"] == {"targets", "gradients", "kept", "forward", "in place"}
     assert reached["weight_sum"] == {"none", "direct", "fp32", "grouped"}
 
 
@@ -264,6 +281,29 @@ def test_a_top_k_loss_makes_its_gradients_in_the_forward_where_its_upstream_is_a
     assert lines[1:3] == ["pipeline: sparse", "gradients in the forward: hidden, weight"]
     assert any(line.startswith("sparse loss: ") for line in lines)
     assert chosen.notes == ("gradients of the top-k loss on the (N, K) log-probs, for an upstream of 1",)
+
+
+def test_a_kept_backward_counts_its_rows_only_after_one_found_rows_without_gradient(flce):
+    """A kept backward takes every row its forward computed, with no host read, unless the last one
+    of the same outputs found rows without gradient: a fresh key takes them all; a backward's check
+    queued on the device (a host flag) or its counts read on the host decide the next; keys are
+    apart; a captured backward counts. The plan says which in words."""
+    plan, options = submodule(flce, "_plan"), submodule(flce, "_options")
+    speculation = plan.Speculation()
+
+    def kept_backward(key="entropy,log_probs", capturing=False):
+        return plan.plan(options.Request(grad_hidden=True, grad_weight=True, outputs=key),
+                         plan.Shape(1024, 128256, 4096, torch.bfloat16, capturing=capturing), plan.Hardware(**HOPPER),
+                         backward=True, kept=True, speculation=speculation)
+
+    assert kept_backward().row_order == "forward"
+    speculation.recheck("entropy,log_probs", (torch.tensor([0.0]), None))  # queued: rows without gradient
+    assert kept_backward().row_order == "kept" and kept_backward("log_probs").row_order == "forward"
+    speculation.found("entropy,log_probs", True)  # counted on the host: every computed row has one
+    assert kept_backward().row_order == "forward" and kept_backward(capturing=True).row_order == "kept"
+    assert "no host read" in kept_backward().explain()
+    speculation.found("entropy,log_probs", False)
+    assert "counted on the host" in kept_backward().explain()
 
 
 def test_the_speculation_re_arms_after_a_backward_finds_equal_weights_again(flce):

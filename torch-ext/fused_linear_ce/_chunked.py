@@ -435,15 +435,16 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request: R
     d out / d entropy_i, whose -e_i H_i part the caller has added to ``lse_grad``. Only the rows
     with a non-zero upstream gradient are computed (``rows_with_gradient``); with ``kept`` (a
     per-token forward's ``_kept.KeptRows``, no shard) the kept rows from their buffers first, then
-    the others by recomputation. ``sparse_terms`` (ids, coef) [N, K] (no shard) are added to the
-    grad logits at those columns (``Gradients.sparse_terms``)."""
+    the others by recomputation (every row the forward computed where the plan's row order is
+    "forward": ``_plan.kept_rows_whole``). ``sparse_terms`` (ids, coef) [N, K] (no shard) are
+    added to the grad logits at those columns (``Gradients.sparse_terms``)."""
     hidden, weight = unit_columns(hidden), unit_columns(weight)
     n_rows = hidden.shape[0]
     vocab_size = weight.shape[0]
     opts, grads, shard = request.options, request.grads, _shard(request.options)
     backend = backend_for(hidden.device)
     plan = _plan.plan(request, _shape(hidden, weight, bias, class_weight, shard), backend.hardware(hidden.device),
-                      backward=True, kept=kept is not None)
+                      backward=True, kept=kept is not None, speculation=_kept.SPECULATION)
     row_weight = row_weights(targets, class_weight, opts.ignore_index)
     if row_weight is not None and opts.has_z_loss:
         opts = replace(opts, z_loss_scale=0.0)
@@ -456,7 +457,7 @@ def backward(hidden, weight, targets, bias, lse, loss_grad, lse_grad, request: R
         row_grads.append(sparse_terms[1].abs().sum(-1))
     fp32_sum, group = plan.weight_fp32, plan.weight_group
     if kept is not None:
-        row_order = _kept.KeptFirstOrder(kept, n_rows, row_grads)
+        row_order = _kept.backward_order(kept, n_rows, row_grads, plan.row_order == "forward", request.outputs)
         gradients = Gradients(hidden, vocab_size, grads, row_order.chunks(chunk), row_order, shard, fp32_sum, group)
         gradients.sparse_terms = sparse_terms
         _kept.backward(kept, backend, row_order, gradients, chunk, hidden, weight, bias, opts,
