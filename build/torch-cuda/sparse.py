@@ -490,8 +490,9 @@ def _top_k_loss(hidden, weight, ids, teacher, support, rows, bias, beta: float, 
                 options: dict) -> Tensor:
     """The loss of both public functions: the divergence ``beta`` of the student's scores of ``ids``
     (..., K) and the ``teacher``'s log-probs on ``support``, reduced over ``rows`` (...,): with its
-    gradients made in the forward where the plan says so, else on the scores through torch ops."""
-    if add_tail:
+    gradients made in the forward where the plan says so, else on the scores through torch ops
+    (traced calls take the latter at once: dynamo then sees the code it compiled before this path)."""
+    if add_tail and not _is_traced(hidden):
         hidden_2d, weight, ids_2d, bias_c, opts = _checked_sparse_inputs(hidden, weight, ids, bias, **options)
         in_forward = _grads_in_forward(hidden_2d, weight, bias_c, reduction, add_tail)
         if any(in_forward):
