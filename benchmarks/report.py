@@ -455,6 +455,9 @@ def before_after_runs():
                   key=lambda item: item[1]["environment"]["date"])[-1:]
 
 
+NO_KEPT_ROWS = {"303d1a2"}  # earlier builds timed by --base whose per-token heads kept no rows
+
+
 def _before_after(data):
     """Per (row, inputs) of one run: the earlier build's and this one's step and forward times
     (the medians of their laps) and step memory less the gradients. Within a run a peer's time
@@ -464,12 +467,16 @@ def _before_after(data):
     for (row, inputs, name), before in results.items():
         if not name.endswith(BASE):
             continue
-        # a per-token head against its own build with kept rows off: the same work as the earlier build's
+        # a per-token head against its own build with kept rows off where the earlier build kept none
         method = name.removesuffix(BASE)
-        after = results.get((row, inputs, f"{method}-keep0"), results.get((row, inputs, method)))
+        keep0 = results.get((row, inputs, f"{method}-keep0")) if data["base"].get("revision") in NO_KEPT_ROWS else None
+        after = keep0 or results.get((row, inputs, method))
         if after is None:
             continue
+        laps = [*after.get("step_ms_laps", []), *before.get("step_ms_laps", [])]
+        spread = max(laps) / min(laps) - 1 if laps else 0.0
         out.append(dict(row=row, inputs=inputs, method=method, laps=len(after.get("step_ms_laps", [after["step_ms"]])),
+                        spread=spread,
                         step=(before["step_ms"], after["step_ms"]), fwd=(before["fwd_ms"], after["fwd_ms"]),
                         mib=(before["step_peak_minus_grads_mib"], after["step_peak_minus_grads_mib"])))
     return out
@@ -483,12 +490,12 @@ def before_after_section(runs) -> str:
         peers = sorted({r["method"] for r in data["results"] if not r["method"].startswith((OURS, "flce-"))})
         lines += [f"`{name}`: this build against {base.get('revision') or base['root']} "
                   f"(peers in the run: {', '.join(peers) or 'none'}).", "",
-                  "| row | method | laps | step ms: before → after | forward ms: before → after | step's extra "
-                  "memory less the gradients, MiB: before → after |", "|---|---|---|---|---|---|"]
+                  "| row | method | laps | step ms: before → after | laps' spread | forward ms: before → after | "
+                  "step's extra memory less the gradients, MiB: before → after |", "|---|---|---|---|---|---|---|"]
         for e in _before_after(data):
             (sb, sa), (fb, fa), (mb, ma) = e["step"], e["fwd"], e["mib"]
             lines.append(f"| {e['row']} ({e['inputs']}) | {e['method']} | {e['laps']} | {sb:.2f} → {sa:.2f} "
-                         f"({sa / sb - 1:+.1%}) | "
+                         f"({sa / sb - 1:+.1%}) | {e['spread']:.0%} | "
                          f"{fb:.2f} → {fa:.2f} ({fa / fb - 1:+.1%}) | {mb:.0f} → {ma:.0f} |")
         lines.append("")
     return "\n".join(lines).rstrip()
@@ -506,13 +513,14 @@ def before_after_sentence() -> str:
     step = [e["step"][1] / e["step"][0] - 1 for e in changes]
     fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
     mib = [round(e["mib"][1] - e["mib"][0]) for e in changes]
-    return (f"The re-housing and the kept rows were timed against the build before them "
-            f"({data['base'].get('revision') or data['base']['root']}) in the same process (`{name}`, "
-            f"{changes[0]['laps']} lap, {len(changes)} rows and methods: the loss, SFT's and GRPO's heads, the "
-            f"per-token ones with `FLCE_KEEP_MIB=0` where this build keeps rows): the step's time changed "
-            f"by {min(step):+.1%} to {max(step):+.1%}, the forward's by {min(fwd):+.1%} to {max(fwd):+.1%}, and "
-            f"a step's memory by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\", every "
-            f"run).")
+    spread = [e["spread"] for e in changes]
+    return (f"The last change of the package was timed against the build before it "
+            f"({data['base'].get('revision') or data['base']['root']}) in the same process on one "
+            f"{data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`, {changes[0]['laps']} alternating laps, "
+            f"{len(changes)} rows and methods: the loss with and without metrics, SFT's, GRPO's, DPO's and KTO's "
+            f"heads): the step's median time changed by {min(step):+.1%} to {max(step):+.1%}, the forward's by "
+            f"{min(fwd):+.1%} to {max(fwd):+.1%}, while one method's laps spread by {min(spread):.0%} to {max(spread):.0%}; "
+            f"a step's memory changed by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\").")
 
 
 COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft": "SFT's per-token outputs"}
@@ -531,7 +539,7 @@ def cold_start_sentence() -> str:
     return (f"A process's first call of each kind compiles its Triton kernels. On sm_90 with Triton 3.6 they are "
             f"compiled in parallel, in forked children, from the specialisations recorded there, and the logit "
             f"kernel takes its shipped configuration: a first Llama-3 training call with an empty Triton cache "
-            f"took {calls} (`{name}`), against {first['loss-lazy']:.1f} s for the loss with each kernel compiled "
+            f"took {calls} on an {data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`), against {first['loss-lazy']:.1f} s for the loss with each kernel compiled "
             f"at its launch. Elsewhere the kernels compile at their launches and the logit kernel is autotuned "
             f"(two to five configurations) at its first call for a given (H, V, dtype, flags). Later calls reuse "
             f"the compiled kernels; a new N (batch or sequence length) does not retune.")
@@ -695,6 +703,7 @@ def trl_section(runs) -> str:
 DISTILL_PEERS = ["trl-distill", "liger-jsd", "torch.compile-jsd"]
 DISTILL_TARGETS = {1.0: (0.6, 0.9), 0.0: (0.6, 0.9), 0.5: (0.7, 1.0)}  # beta: (of TRL's time, of the fastest peer's)
 SPARSE_TARGET = 1.15  # K = 100's step over our loss-only step at the same shape
+SPARSE_MEMORY_TARGET = 1.05  # and its peak over that step's
 
 
 def _latest_run(pattern: str):
@@ -741,30 +750,39 @@ def distillation_section() -> str:
     if sparse:
         lines += ["", "Sparse teacher targets (`fused_linear_sparse_kl` with the tail bucket at K = 20 and 100, "
                   "`fused_linear_top1_divergence`), LM-like inputs, N = 8192 on the Llama-3 head: step ms / peak MiB, "
-                  f"against our loss-only step at the same shape (target at most {SPARSE_TARGET}× for K = 100) and "
+                  f"against our loss-only step at the same shape in the same run (targets for K = 100: at most "
+                  f"{SPARSE_TARGET}× its time, {SPARSE_MEMORY_TARGET}× its memory) and "
                   "torch.compile of TRL's loss on the materialised logits.", "",
-                  "| row | ours | our loss step | over the loss | torch.compile, TRL's loss |", "|---|---|---|---|---|"]
+                  "| row | ours | our loss step | over the loss: time, memory | torch.compile, TRL's loss |",
+                  "|---|---|---|---|---|"]
         for row in sparse:
             ours, loss, peer = (results.get((row, m)) for m in ("flce-sparse", "fused-linear-ce",
                                                                 "torch.compile-trl-sparse"))
             if ours is None or loss is None:
                 continue
-            over = ours["step_ms"] / loss["step_ms"]
+            over, memory = ours["step_ms"] / loss["step_ms"], ours["step_peak_mib"] / loss["step_peak_mib"]
             mark = " ✗" if row == "sparse-k100" and over > SPARSE_TARGET else ""
+            memory_mark = " ✗" if row == "sparse-k100" and memory > SPARSE_MEMORY_TARGET else ""
             lines.append(f"| {row} | {ours['step_ms']:.1f} / {ours['step_peak_mib']:.0f} | {loss['step_ms']:.1f} / "
-                         f"{loss['step_peak_mib']:.0f} | {over:.2f}×{mark} | "
+                         f"{loss['step_peak_mib']:.0f} | {over:.2f}×{mark}, {memory:.3f}×{memory_mark} | "
                          + ("—" if peer is None else f"{peer['step_ms']:.1f} / {peer['step_peak_mib']:.0f}") + " |")
-    lines += ["", "Runs: " + ", ".join(f"`{name}` ({run['environment']['date'][:10]}, bf16 matmul at "
+    lines += ["", "Runs: " + ", ".join(f"`{name}` ({run['environment']['gpu']}, {run['environment']['date'][:10]}, "
+                                        f"bf16 matmul at "
                                         f"{run.get('matmul_tflops', 0):.0f} TFLOP/s)" for name, run in data) + "; "
-              "each row's methods from the newest run that timed it (the sparse rows' newest with the kept rows)."]
+              "each row's methods from the newest run that timed it; every ratio is within one run."]
     step = distill_step_sentence()
     return "\n".join(lines + (["", step] if step else []))
+
+
+def _gpu_of(name: str) -> str:
+    """The GPU of a recorded run, as nvidia-smi names it, less the vendor."""
+    return dict(recorded(name))[name]["environment"]["gpu"].removeprefix("NVIDIA ")
 
 
 def _distill_results():
     """{(row, method): result} of the distillation runs, each row from the newest run that has it,
     with the names and data of the runs used."""
-    runs = sorted(recorded("distill-h200-*.json"), key=lambda item: item[1]["environment"]["date"])
+    runs = sorted(recorded("distill-*.json"), key=lambda item: item[1]["environment"]["date"])
     results, used = {}, {}
     for name, data in runs:
         rows = {r["row"] for r in data["results"] if "step_ms" in r and r["method"] != "fused-linear-ce"}
@@ -906,13 +924,15 @@ def distill_summary() -> str:
     fastest = [results[(row, "flce-distill")]["step_ms"] / min(results[(row, m)]["step_ms"] for m in DISTILL_PEERS
                                                                if (row, m) in results) for row in rows]
     sparse, loss = results.get(("sparse-k100", "flce-sparse")), results.get(("sparse-k100", "fused-linear-ce"))
-    text = (f"On one H200 ({name}; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
+    dense_gpus = sorted({_gpu_of(results[(row, "flce-distill")]["_file"]) for row in rows})
+    text = (f"On one {' and one '.join(dense_gpus)} ({name}; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
             f"divergence's step takes {_span(of('trl-distill', (1.0, 0.0)))} TRL's kernel's time for the reverse KL "
             f"and {_span(of('trl-distill', (0.5,)))} for the JSD, {_span(fastest)} the fastest peer's, at "
             f"{_span(of('trl-distill', (0.5, 1.0), 'step_peak_mib'))} TRL's memory")
     if sparse and loss:
-        text += (f"; the sparse KL at K = 100 takes {sparse['step_ms'] / loss['step_ms']:.2f}× our loss step at "
-                 f"{sparse['step_peak_mib'] / loss['step_peak_mib']:.2f}× its memory")
+        text += (f"; the sparse KL at K = 100 (on the {_gpu_of(sparse['_file'])}, its gradients made in the forward) "
+                 f"takes {sparse['step_ms'] / loss['step_ms']:.2f}× our loss step's time at "
+                 f"{sparse['step_peak_mib'] / loss['step_peak_mib']:.3f}× its memory")
     step = distill_step_sentence()
     return text + " (BENCHMARKS.md, \"Distillation\")." + (" " + step if step else "")
 
