@@ -519,7 +519,8 @@ def before_after_sentence() -> str:
             f"{data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`, {changes[0]['laps']} alternating laps, "
             f"{len(changes)} rows and methods: the loss with and without metrics, SFT's, GRPO's, DPO's and KTO's "
             f"heads): the step's median time changed by {min(step):+.1%} to {max(step):+.1%}, the forward's by "
-            f"{min(fwd):+.1%} to {max(fwd):+.1%}, while one method's laps spread by {min(spread):.0%} to {max(spread):.0%}; "
+            f"{min(fwd):+.1%} to {max(fwd):+.1%}, while one method's laps spread by {min(spread):.0%} to "
+            f"{max(spread):.0%}; "
             f"a step's memory changed by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\").")
 
 
@@ -539,7 +540,8 @@ def cold_start_sentence() -> str:
     return (f"A process's first call of each kind compiles its Triton kernels. On sm_90 with Triton 3.6 they are "
             f"compiled in parallel, in forked children, from the specialisations recorded there, and the logit "
             f"kernel takes its shipped configuration: a first Llama-3 training call with an empty Triton cache "
-            f"took {calls} on an {data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`), against {first['loss-lazy']:.1f} s for the loss with each kernel compiled "
+            f"took {calls} on an {data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`), against "
+            f"{first['loss-lazy']:.1f} s for the loss with each kernel compiled "
             f"at its launch. Elsewhere the kernels compile at their launches and the logit kernel is autotuned "
             f"(two to five configurations) at its first call for a given (H, V, dtype, flags). Later calls reuse "
             f"the compiled kernels; a new N (batch or sequence length) does not retune.")
@@ -925,7 +927,8 @@ def distill_summary() -> str:
                                                                if (row, m) in results) for row in rows]
     sparse, loss = results.get(("sparse-k100", "flce-sparse")), results.get(("sparse-k100", "fused-linear-ce"))
     dense_gpus = sorted({_gpu_of(results[(row, "flce-distill")]["_file"]) for row in rows})
-    text = (f"On one {' and one '.join(dense_gpus)} ({name}; student Llama-3 head, teacher hidden 4096 and 8192, N = 8192, bf16) the "
+    text = (f"On one {' and one '.join(dense_gpus)} ({name}; student Llama-3 head, teacher hidden 4096 and 8192, "
+            f"N = 8192, bf16) the "
             f"divergence's step takes {_span(of('trl-distill', (1.0, 0.0)))} TRL's kernel's time for the reverse KL "
             f"and {_span(of('trl-distill', (0.5,)))} for the JSD, {_span(fastest)} the fastest peer's, at "
             f"{_span(of('trl-distill', (0.5, 1.0), 'step_peak_mib'))} TRL's memory")
