@@ -55,7 +55,7 @@ class Settings:
     preference losses) may keep for its backward, so that the rows it keeps make their gradient
     without recomputing their logits (``_kept``); 0: none, every row recomputed (the least memory).
     None: the memory that TRL's own head would take at the call's shape, less ours
-    (``_kept.budgets``)."""
+    (``_kept.budget``)."""
 
     keep_rows: int | None = None
     """Rows a per-token forward keeps at most, on top of ``keep_mib`` (tests: a budget that keeps

@@ -376,6 +376,50 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, opti
         assert_rel(g, e, tolerance(dtype, "grad"), f"{name} against the recomputing backward")
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "counted"])
+def test_no_kept_buffer_lives_beside_a_recomputed_chunk(flce, monkeypatch, tune, whole, path):
+    """The default budget gives the kept rows all the room under TRL's head's peak, whether or not
+    other rows are recomputed (``_kept.budget``), because a recomputed chunk never lives beside them:
+    when the backward allocates the recomputed chunks' buffer, every buffer its forward kept has been
+    released. Checked through weak references on a backward with kept parts and recomputed rows
+    (kept parts whole, or their rows with a gradient counted first), and the gradients still right."""
+    import weakref
+
+    tune(chunk_rows=8, keep_mib=1, keep_rows=11)
+    kept_module, key = submodule(flce, "_kept"), "entropy,log_probs"
+    kept_module.SPECULATION.found(key, whole)
+    backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
+    forward_buffers, alive_at_recompute = [], []
+    new_buffer = backend.new_buffer
+
+    def tracked(*args, **kwargs):
+        buffer = new_buffer(*args, **kwargs)
+        if phase == "forward":
+            forward_buffers.append(weakref.ref(buffer))
+        else:
+            alive_at_recompute.append(sum(ref() is not None for ref in forward_buffers))
+        return buffer
+
+    monkeypatch.setattr(backend, "new_buffer", tracked)
+    hidden, weight, targets, _ = make_inputs(36, 32, 97, torch.float32, seed=21, ignore=0.2, device=path.device)
+    gen = torch.Generator().manual_seed(22)
+    log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64).to(path.device)
+    h, w = (t.detach().requires_grad_() for t in (hidden, weight))
+    phase = "forward"
+    out = flce.fused_linear_log_probs(h, w, targets, outputs=("log_probs", "entropy"), grad_in_forward=False)
+    loss = (out.log_probs.double() * log_prob_weight).sum() + 0.01 * out.entropy.double().sum()
+    phase = "backward"
+    del out
+    loss.backward()
+    assert forward_buffers and alive_at_recompute == [0], (len(forward_buffers), alive_at_recompute)
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = reference(h64, w64, targets)
+    ((ref["log_probs"] * log_prob_weight).sum() + 0.01 * ref["entropy"].sum()).backward()
+    # fp32 inputs keep fp32 exponentials: the recompute's tolerance
+    assert_rel(h.grad, h64.grad, tolerance(torch.float32, "grad"), "grad_hidden")
+    assert_rel(w.grad, w64.grad, tolerance(torch.float32, "grad"), "grad_weight")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kept_backward_follows_the_last_ones_finding(flce, monkeypatch, tune, dtype, path):
     """Calls whose upstream reaches [every row with a target, all but a third of them, every row,

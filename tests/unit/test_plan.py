@@ -88,7 +88,7 @@ CASES = {
     # the kept chunks store the factored sweep's exponentials, which Hopper's Gluon kernel sweeps.
     "kept": (dict(outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, dict(keep=True), {},
              dict(pipeline="kept", sweep="gluon", target_logit="reference", references_first=True,
-                  recompute_rows=1024, recompute_bytes=1024 * (256512 + 4096 * 4), keep_mib=None, keep_rows=None)),
+                  recompute_rows=1024, keep_mib=None, keep_rows=None)),
     "kept_budget": (dict(outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, dict(keep=True),
                     dict(keep_mib=3, keep_rows=13), dict(pipeline="kept", keep_mib=3, keep_rows=13)),
     "kept_off": (dict(outputs="log_probs"), dict(n_rows=1024, **LLAMA3), HOPPER, dict(keep=True), dict(keep_mib=0),

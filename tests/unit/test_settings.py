@@ -63,20 +63,20 @@ def test_keep_mib_must_be_a_non_negative_integer(settings, environ, text):
 def test_keep_mib_sets_the_kept_rows_budget(flce, settings, environ):
     """FLCE_KEEP_MIB: 0 keeps nothing (the least memory), 3 MiB keeps 3 MiB whatever the shape;
     unset, TRL's head's peak less ours: for a bf16 Llama-3 head at 8192 rows, (V + N) H 4 bytes
-    plus TRL's 4096 x 32768 logit tile (``_kept`` derives it) less a margin, and less a training
-    chunk where some rows are recomputed."""
+    plus TRL's 4096 x 32768 logit tile (``_kept`` derives it) less a margin, whether or not some
+    rows are recomputed (a recomputed chunk never lives beside the kept rows)."""
     kept, plan = submodule(flce, "_kept"), submodule(flce, "_plan")
 
-    def budgets():  # (the plan reads the setting, the budget takes it)
-        return kept.budgets(8192, 128256, 4096, torch.bfloat16, 10**8, plan.keep_budget()[0])
+    def budget():  # (the plan reads the setting, the budget takes it)
+        return kept.budget(8192, 128256, 4096, torch.bfloat16, plan.keep_budget()[0])
 
     environ(FLCE_KEEP_MIB="0")
-    assert budgets() == (0, 0)
+    assert budget() == 0
     environ(FLCE_KEEP_MIB="3")
-    assert budgets() == (3 * 2**20, 3 * 2**20)
+    assert budget() == 3 * 2**20
     environ(FLCE_KEEP_MIB="")
-    every = (128256 + 8192) * 4096 * 4 + 4096 * 32768 * 2 - 64 * 2**20  # (64 MiB left free: _kept.MARGIN_BYTES)
-    assert budgets() == (every, every - 10**8)
+    # (64 MiB left free: _kept.MARGIN_BYTES)
+    assert budget() == (128256 + 8192) * 4096 * 4 + 4096 * 32768 * 2 - 64 * 2**20
 
 
 @pytest.mark.parametrize("variable", ["FLCE_CHECK_TARGETS", "FLCE_TRITON"])

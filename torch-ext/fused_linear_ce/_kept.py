@@ -38,7 +38,7 @@ log V)) (1 + H_i + lse_i - max_j z_ij), so grad_hidden's and grad_weight's error
 training step's 16-bit buffer (tests/api/test_log_probs.py checks it against float64). fp32
 inputs keep fp32 (u = 2^-24); fp64 inputs (gradcheck) keep nothing, always recomputed.
 
-The budget (``budgets``): by default a call keeps no more than lets its peak stay at or under
+The budget (``budget``): by default a call keeps no more than lets its peak stay at or under
 the peak of TRL's own head (``trl.kernels.ChunkedLogProbFunction``, as ``add_fused_lm_head``
 calls it) at the same shape. That head accumulates its gradient products in fp32 (its
 documentation), then returns them in the inputs' dtype, and its projection runs on tiles of
@@ -48,9 +48,10 @@ dispatch on a CPU) in the inputs' dtype:
     trl_peak = (V + N) H (4 + e) + min(N, 4096) min(V, 32768) e      (e: element size, 0 for fp32)
 
 which stays just under TRL's measured peaks (docs/design.md, "Kept rows"). Ours is the
-gradients, (V + N) H e, plus, where rows are recomputed, a training chunk
-(``_plan.chunk_bytes``) and, per kept row, its ``kept_row_bytes`` and the products' gathered
-rows (2 H e); MARGIN_BYTES stay free for the rest.
+gradients, (V + N) H e, plus the larger of the kept rows (per row its ``kept_row_bytes`` and the
+products' gathered rows, 2 H e) and a recomputed chunk (``_plan.chunk_bytes``), never both: the
+backward releases each kept part's buffer once its products are queued, and recomputes the other
+rows after the last part (``backward``). MARGIN_BYTES stay free for the rest.
 ``keep_mib`` (FLCE_KEEP_MIB) sets the budget instead, 0 turns it off.
 
 Not under vocabulary parallelism: the per-token outputs have no vocabulary-parallel form (their
@@ -84,17 +85,14 @@ def trl_peak_bytes(n_rows: int, vocab_size: int, hidden_size: int, element_size:
     return (vocab_size + n_rows) * hidden_size * (4 + result_bytes) + tile
 
 
-def budgets(n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-            recompute_chunk_bytes: int, keep_mib: int | None = None) -> tuple[int, int]:
-    """(bytes the kept rows may take if every row with a gradient is kept, if some are recomputed
-    beside them in chunks of ``recompute_chunk_bytes``): ``keep_mib`` for both where set (the
-    plan's), else what keeps the call's peak at or under TRL's head's (module docstring)."""
+def budget(n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, keep_mib: int | None = None) -> int:
+    """Bytes the kept rows may take: ``keep_mib`` where set (the plan's), else what keeps the call's
+    peak at or under TRL's head's (module docstring); a recomputed chunk never lives beside them."""
     if keep_mib is not None:
-        return keep_mib * 2**20, keep_mib * 2**20
+        return keep_mib * 2**20
     element_size = torch.finfo(dtype).bits // 8
     our_grads = (vocab_size + n_rows) * hidden_size * element_size
-    room = trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads - MARGIN_BYTES
-    return max(0, room), max(0, room - recompute_chunk_bytes)
+    return max(0, trl_peak_bytes(n_rows, vocab_size, hidden_size, element_size) - our_grads - MARGIN_BYTES)
 
 
 @dataclass
@@ -117,7 +115,7 @@ class KeptRows:
     ``grad_from_kept`` turns the buffers into grad logits in place."""
 
     row_bytes: int  # a kept row's bytes, as the budget counts them
-    room: tuple[int, int]  # ``budgets``
+    room: int  # ``budget``
     cap: int | None = None  # rows kept at most (the plan's ``keep_rows``)
     parts: list[KeptPart] = field(default_factory=list)
     count: int = 0
@@ -127,11 +125,9 @@ class KeptRows:
 
     def rows_to_keep(self, rows_with_target: int) -> int:
         """Rows kept among ``rows_with_target`` (the count, or before it is known the rows of the
-        call): all of them where they fit in the first budget, else what the second holds."""
-        cap = self.cap
-        every, some = self.room
-        kept = rows_with_target if rows_with_target * self.row_bytes <= every else some // self.row_bytes
-        return min(kept, rows_with_target) if cap is None else min(kept, rows_with_target, cap)
+        call): as many as the budget holds, at most the cap."""
+        kept = min(rows_with_target, self.room // self.row_bytes)
+        return kept if self.cap is None else min(kept, self.cap)
 
     def trim(self, count: int) -> None:
         """Keeps only the first ``count`` rows (those with a target): their products are not paid for
@@ -223,19 +219,17 @@ def sweep_part(step, start: int, end: int, hidden_c, targets_c, buffer) -> KeptP
 
 def forward_chunks(step) -> "KeptRows":
     """The chunks of a per-token forward (``_chunked._ForwardStep``) whose backward will want
-    gradients: as ``_chunked._statistics_chunks``, but its first rows, as many as ``budgets``
+    gradients: as ``_chunked._statistics_chunks``, but its first rows, as many as ``budget``
     allows, are swept into buffers (``sweep_part``) that the backward makes their grad logits from;
     a chunk that the budget cuts is swept in two."""
     backend, opts, hidden = step.backend, step.opts, step.hidden
     n_rows, hidden_size = hidden.shape
     plan = step.plan
-    recompute_bytes = (plan.recompute_bytes
-                       or 2 * plan.recompute_rows * backend.kept_row_bytes(step.vocab_size, hidden.dtype, False))
     # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
     row_bytes = (backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap)
                  + 2 * hidden_size * hidden.element_size())
-    kept = KeptRows(row_bytes, budgets(n_rows, step.vocab_size, hidden_size, hidden.dtype, recompute_bytes,
-                                       plan.keep_mib), plan.keep_rows)
+    kept = KeptRows(row_bytes, budget(n_rows, step.vocab_size, hidden_size, hidden.dtype, plan.keep_mib),
+                    plan.keep_rows)
     keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
     for start, end, hidden_c, targets_c, _, _ in step.chunks():
         if start > 0 and step.row_order is not None:

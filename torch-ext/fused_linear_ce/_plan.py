@@ -502,7 +502,6 @@ class Plan:
     take_out: int | None  # rare_target: a factored step's rare target entries leave the products (None: none)
     tile_width: int | None  # vocabulary columns a logit tile (None on the PyTorch backend)
     recompute_rows: int = 0  # the kept pipeline: rows per chunk of the rows it recomputes in the backward
-    recompute_bytes: int | None = None  # and their chunk's bytes (``chunk_bytes``; None: the PyTorch backend's)
     keep_mib: int | None = None  # the kept pipeline's budget (None: TRL's head's peak)
     keep_rows: int | None = None  # the kept pipeline's cap on rows
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -599,8 +598,6 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
     kept_exponentials = pipeline == "kept" and referenced and not (request.logit_sum or request.sum_sq)
     recompute = plan_chunk(backend, n_rows, shape.vocab_size, shape.hidden_size, dtype, True,
                            weight_grad=True) if pipeline == "kept" else 0
-    recompute_bytes = (chunk_bytes(recompute, shape.vocab_size, dtype, shape.hidden_size)
-                       if pipeline == "kept" and backend == "triton" else None)
     return Plan(
         backend=backend, pipeline=pipeline, sharded=sharded,
         grads_in_forward=tuple(bool(g) for g in grads),
@@ -612,7 +609,7 @@ def plan(request: Request, shape: Shape, hardware: Hardware, *, backward: bool =
         n_chunks=n_chunks, weight_sum=_weight_sum(grads[1], shape, n_chunks, fp32),
         weight_group=weight_group(dtype), weight_fp32=fp32, tile_width=width,
         take_out=rare_target() if factored and grads[1] and pipeline != "sparse" else None,
-        recompute_rows=recompute, recompute_bytes=recompute_bytes, keep_mib=keep_mib, keep_rows=keep_rows,
+        recompute_rows=recompute, keep_mib=keep_mib, keep_rows=keep_rows,
         notes=_notes(request, pipeline, training))
 
 
