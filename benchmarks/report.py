@@ -488,7 +488,8 @@ def before_after_section(runs) -> str:
     for name, data in runs:
         base = data["base"]
         peers = sorted({r["method"] for r in data["results"] if not r["method"].startswith((OURS, "flce-"))})
-        lines += [f"`{name}`: this build against {base.get('revision') or base['root']} "
+        lines += [f"`{name}` ({data['environment']['gpu']}, {data['environment']['date'][:10]}): this build against "
+                  f"{base.get('revision') or base['root']} "
                   f"(peers in the run: {', '.join(peers) or 'none'}).", "",
                   "| row | method | laps | step ms: before → after | laps' spread | forward ms: before → after | "
                   "step's extra memory less the gradients, MiB: before → after |", "|---|---|---|---|---|---|---|"]
