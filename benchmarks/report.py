@@ -455,9 +455,6 @@ def before_after_runs():
                   key=lambda item: item[1]["environment"]["date"])[-1:]
 
 
-NO_KEPT_ROWS = {"303d1a2"}  # earlier builds timed by --base whose per-token heads kept no rows
-
-
 def _before_after(data):
     """Per (row, inputs) of one run: the earlier build's and this one's step and forward times
     (the medians of their laps) and step memory less the gradients. Within a run a peer's time
@@ -467,10 +464,8 @@ def _before_after(data):
     for (row, inputs, name), before in results.items():
         if not name.endswith(BASE):
             continue
-        # a per-token head against its own build with kept rows off where the earlier build kept none
         method = name.removesuffix(BASE)
-        keep0 = results.get((row, inputs, f"{method}-keep0")) if data["base"].get("revision") in NO_KEPT_ROWS else None
-        after = keep0 or results.get((row, inputs, method))
+        after = results.get((row, inputs, method))
         if after is None:
             continue
         laps = [*after.get("step_ms_laps", []), *before.get("step_ms_laps", [])]

@@ -4,6 +4,8 @@ recomputing backward) and for SFT's equal weights (the sweep's gradients), and o
 same bit for bit with or without gradients. On the CPU the Triton kernels run in the interpreter;
 the same file runs on the GPU (bf16 included)."""
 
+import weakref
+
 import pytest
 import torch
 from conftest import DEVICE, DTYPES, assert_rel, make_inputs, submodule, tolerance
@@ -383,8 +385,6 @@ def test_no_kept_buffer_lives_beside_a_recomputed_chunk(flce, monkeypatch, tune,
     when the backward allocates the recomputed chunks' buffer, every buffer its forward kept has been
     released. Checked through weak references on a backward with kept parts and recomputed rows
     (kept parts whole, or their rows with a gradient counted first), and the gradients still right."""
-    import weakref
-
     tune(chunk_rows=8, keep_mib=1, keep_rows=11)
     kept_module, key = submodule(flce, "_kept"), "entropy,log_probs"
     kept_module.SPECULATION.found(key, whole)

@@ -479,10 +479,10 @@ class _LossInForward(torch.autograd.Function):
 
 def _grads_in_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, reduction: str,
                       add_tail: bool) -> tuple[bool, bool, bool]:
-    """The plan's ``sparse_grads_in_forward`` for these checked inputs: which gradients the forward
-    makes (none while traced, transformed or captured into a CUDA graph)."""
+    """The plan's ``sparse_grads_in_forward`` for these checked inputs of an untraced call: which
+    gradients the forward makes (none while a CUDA graph is captured)."""
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    eager = not _is_traced(hidden) and not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+    eager = not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
     return sparse_grads_in_forward(needs, reduction, add_tail, hidden.dtype, hidden.shape[0], eager)
 
 
