@@ -970,9 +970,10 @@ def our_plans(flce, hidden, weight) -> dict:
     and weight) and forward take on a row's inputs, decided as a call decides them (no kernel runs)."""
     chunked, options = (sys.modules[f"{flce.__name__}.{name}"] for name in ("_chunked", "_options"))
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])
-    step = options.Request(grad_hidden=True, grad_weight=True)
+    forward = options.Request(options.LossOptions())
+    step = forward.with_grads((True, True, False))
     return {name: chunked.plan_of(hidden_2d, weight, None, request).as_dict()
-            for name, request in (("step", step), ("forward", options.Request()))}
+            for name, request in (("step", step), ("forward", forward))}
 
 
 def _revision(root: str) -> str | None:

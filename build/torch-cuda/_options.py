@@ -48,9 +48,10 @@ class Request:
     ``decode`` (a dataclass is no schema type), with ``schema()`` written from the same field
     list, so that a new option is one field here. The process group travels as its registered
     name through a schema (a ProcessGroup is no schema type), and as itself in eager mode, where
-    no operator is dispatched."""
+    no operator is dispatched. ``options`` has no default: torch 2.11's compiler cannot wrap a
+    dataclass instance held in ``__init__``'s defaults, and gives up on every traced call."""
 
-    options: LossOptions = LossOptions()
+    options: LossOptions
     reduction: str = "mean"
     return_metrics: bool = False  # per-row argmax, correctness and entropy (per-token: entropy, is_top1)
     grad_hidden: bool = False  # gradients computed in the forward's sweep (backward: those wanted)

@@ -21,12 +21,7 @@ from reference import reference
 NO_TRITON = """
 import sys
 
-class NoTriton:
-    def find_spec(self, name, path=None, target=None):
-        if name == "triton" or name.startswith("triton."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-sys.meta_path.insert(0, NoTriton())
+sys.modules["triton"] = None  # importlib.util.find_spec("triton") is None, as torch.cuda checks
 try:
     import triton
 except ModuleNotFoundError:
