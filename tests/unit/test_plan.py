@@ -240,6 +240,23 @@ def test_a_process_group_travels_by_name_through_the_schema_only(flce, monkeypat
     assert options.Request.decode(encoded) == request
 
 
+def test_the_plain_data_has_only_constant_defaults(flce):
+    """Every default of the dataclasses that traced calls build is None, a bool, a number or a string:
+    torch 2.11's compiler wraps an ``__init__``'s defaults without a source and gives up on any other
+    object (a ``LossOptions()`` default made every compiled call fail there, not under torch 2.13)."""
+    options = submodule(flce, "_options")
+    from dataclasses import MISSING, fields, is_dataclass
+
+    classes = [value for value in vars(options).values()
+               if isinstance(value, type) and is_dataclass(value) and value.__module__ == options.__name__]
+    assert {"LossOptions", "Request"} <= {cls.__name__ for cls in classes}
+    for cls in classes:
+        for f in fields(cls):
+            assert f.default_factory is MISSING, (cls.__name__, f.name)
+            assert f.default is MISSING or f.default is None or type(f.default) in (bool, int, float, str), \
+                (cls.__name__, f.name, f.default)
+
+
 def test_the_operators_have_named_returns(flce):
     """The loss and per-token operators' schemas name their outputs as the NamedTuples do."""
     ops, options = submodule(flce, "_ops"), submodule(flce, "_options")
