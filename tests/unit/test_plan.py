@@ -191,8 +191,8 @@ def test_the_table_reaches_every_pipeline_and_choice(flce):
 def test_a_plan_in_words_and_as_a_dict(flce, tune):
     plan, options = submodule(flce, "_plan"), submodule(flce, "_options")
     tune(**DEFAULTS)
-    chosen = plan.plan(options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True), plan.Shape(8192, 128256, 4096,
-                       torch.bfloat16), plan.Hardware(**HOPPER))
+    request = options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True)
+    chosen = plan.plan(request, plan.Shape(8192, 128256, 4096, torch.bfloat16), plan.Hardware(**HOPPER))
     assert chosen.explain().splitlines()[:4] == [
         "backend: triton", "pipeline: factored", "gradients in the forward: hidden, weight",
         "sweep kernel: gluon, 256-column tiles"]
@@ -292,7 +292,8 @@ def test_a_top_k_loss_makes_its_gradients_in_the_forward_where_its_upstream_is_a
     assert rule(reduction="none") == rule(add_tail=False) == rule(dtype=torch.float64) == (False,) * 3
     assert rule(n_rows=0) == rule(eager=False) == rule(needs=(False,) * 3) == (False,) * 3
     tune(**DEFAULTS)
-    request = options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True, reduction="none", outputs="log_probs")
+    request = options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True, reduction="none",
+                              outputs="log_probs")
     chosen = plan.plan(request, plan.Shape(8192, 128256, 4096, torch.bfloat16), plan.Hardware(**HOPPER), sparse=True)
     lines = chosen.explain().splitlines()
     assert lines[1:3] == ["pipeline: sparse", "gradients in the forward: hidden, weight"]
