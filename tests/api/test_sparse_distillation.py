@@ -241,7 +241,8 @@ def test_the_plan_of_the_forward_says_so(flce, tune):
     chunked, options = submodule(flce, "_chunked"), submodule(flce, "_options")
     leaves, _ = make_case(torch.float32, 4, seed=41)
     hidden, weight = leaves[0].reshape(-1, H), leaves[1]
-    request = options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True, reduction="none", outputs="log_probs")
+    request = options.Request(options.LossOptions(), grad_hidden=True, grad_weight=True, reduction="none",
+                              outputs="log_probs")
     text = chunked.plan_of(hidden, weight, None, request, sparse=True).explain()
     assert "pipeline: sparse" in text and "gradients in the forward: hidden, weight" in text
     assert "sparse loss: each chunk's grad logits from its buffer" in text
