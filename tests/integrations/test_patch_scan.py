@@ -66,7 +66,9 @@ def test_patched_model_has_its_own_loss_or_is_refused(flce, compared_for, model_
         return
     if "not_built" in outcome:
         if SAME_TRANSFORMERS:
-            assert outcome["not_built"] == LISTING["not_built"].get(model_type), "rerun tests/_patch_scan.py"
+            # the exception's type: its message is torch's, and varies between torch releases
+            recorded = LISTING["not_built"].get(model_type) or ""
+            assert outcome["not_built"].split(":")[0] == recorded.split(":")[0], "rerun tests/_patch_scan.py"
         pytest.skip(f"not built: {outcome['not_built']}")
     assert matches(outcome), (f"{model_type}: loss {outcome['loss']} vs patched {outcome['fused_loss']} "
                               f"(rtol {LOSS_RTOL}); gradients {outcome['grad_rel_diff']:.2e} apart (rtol {GRAD_RTOL})")
