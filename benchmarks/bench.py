@@ -923,7 +923,7 @@ def main():
                     "n_tokens": n_tokens, "dtype": dtype, "ignored_share": ignore_fraction(row), "n_valid": n_valid,
                     "mean_entropy": metrics["entropy_sum"].item() / n_valid,
                     "top1_accuracy": metrics["num_correct_tokens"].item() / n_valid,
-                    "plan": our_plans(flce, hidden, weight)}
+                    "plan": our_plans(flce, hidden, weight), "kept_rows": kept_rows(flce, hidden[:n_valid], weight)}
             flops = 2 * n_tokens * vocab_size * hidden_size
             entries = {}
             for name, fn in methods:
@@ -974,6 +974,23 @@ def our_plans(flce, hidden, weight) -> dict:
     step = forward.with_grads((True, True, False))
     return {name: chunked.plan_of(hidden_2d, weight, None, request).as_dict()
             for name, request in (("step", step), ("forward", forward))}
+
+
+def kept_rows(flce, hidden, weight) -> int | None:
+    """Rows that a per-token forward on ``hidden`` [n, H] (the rows with a target, as TRL's head passes
+    them) keeps for its backward at the default budget (``_kept.forward_chunks``' count, without a
+    kernel run); None where the loaded build has no kept rows or the inputs are not on the GPU."""
+    try:
+        kept = importlib.import_module(f"{flce.__name__}._kept")
+    except ModuleNotFoundError:
+        return None
+    if not hidden.is_cuda or not hasattr(kept, "budget"):
+        return None
+    backend = importlib.import_module(f"{flce.__name__}._triton_backend")
+    n_rows, hidden_size = hidden.shape
+    row_bytes = (backend.kept_row_bytes(weight.shape[0], hidden.dtype, False)
+                 + 2 * hidden_size * hidden.element_size())
+    return min(n_rows, kept.budget(n_rows, weight.shape[0], hidden_size, hidden.dtype) // row_bytes)
 
 
 def _revision(root: str) -> str | None:

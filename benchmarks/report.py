@@ -450,7 +450,7 @@ def before_after_runs():
     """[(file, data)] of the newest run that timed an earlier build beside this one (``bench.py --base``):
     an ``h200-*.json`` run with every peer, or a ``before-after-*.json`` run of the two builds (and
     perhaps torch.compile) alone."""
-    runs = recorded("h200-*.json") + recorded("before-after-*.json") + recorded("trl-h200-*.json")
+    runs = recorded("h200-*.json") + recorded("before-after-*.json") + recorded("trl-h*-*.json")
     return sorted([(name, data) for name, data in runs if "base" in data],
                   key=lambda item: item[1]["environment"]["date"])[-1:]
 
@@ -510,6 +510,15 @@ def before_after_sentence() -> str:
     fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
     mib = [round(e["mib"][1] - e["mib"][0]) for e in changes]
     spread = [e["spread"] for e in changes]
+    moved = [e for e, m in zip(changes, mib, strict=True) if abs(m) > 16]  # named below
+    small = [m for m in mib if abs(m) <= 16] or [0]
+    memory = f"a step's memory changed by {min(small):+d} to {max(small):+d} MiB"
+    if moved:
+        rows, methods = sorted({e["row"] for e in moved}), sorted({e["method"] for e in moved})
+        deltas = sorted(round(e["mib"][1] - e["mib"][0]) for e in moved)
+        span = f"{deltas[0]:+d}" if deltas[0] == deltas[-1] else f"{deltas[0]:+d} to {deltas[-1]:+d}"
+        kept = all(m.removeprefix("flce-") in TOKEN_KINDS for m in methods)  # their budget's change
+        memory += f", but {', '.join(methods)} on {', '.join(rows)}: {span} MiB{' (the kept rows)' if kept else ''}"
     return (f"The last change of the package was timed against the build before it "
             f"({data['base'].get('revision') or data['base']['root']}) in the same process on one "
             f"{data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`, {changes[0]['laps']} alternating laps, "
@@ -517,7 +526,7 @@ def before_after_sentence() -> str:
             f"heads): the step's median time changed by {min(step):+.1%} to {max(step):+.1%}, the forward's by "
             f"{min(fwd):+.1%} to {max(fwd):+.1%}, while one method's laps spread by {min(spread):.0%} to "
             f"{max(spread):.0%}; "
-            f"a step's memory changed by {min(mib):+d} to {max(mib):+d} MiB (BENCHMARKS.md, \"Before and after\").")
+            f"{memory} (BENCHMARKS.md, \"Before and after\").")
 
 
 COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft": "SFT's per-token outputs"}
@@ -579,11 +588,18 @@ TRL_MARK = "<!-- TRL-TABLE -->"
 # bench.py's methods for TRL's fused LM head (trl-*: TRL 1.16's own kernel; flce-*: this kernel's, as
 # flce.trl.use_in_trl() installs it) and this kernel's loss with its metrics, in trl-h200-*.json runs.
 TRL_HEADS = ["gemma2", "llama3", "qwen25"]
+HEAD_NAMES = {"gemma2": "Gemma-2", "llama3": "Llama-3", "qwen25": "Qwen-2.5"}
 TRL_TARGETS = {"sft": 0.72, "grpo": 0.8, "metrics": 0.03, "entropy_grad": 0.08}
 
 
 def trl_runs():
-    return recorded("trl-h200-*.json")
+    """The TRL rows of bench.py on any GPU (``trl-h200-*.json``, ``trl-h100-*.json``); the TRL table pairs
+    the H200's alone, the kept rows' section takes the newest run and names its GPU."""
+    return recorded("trl-h*-*.json")
+
+
+def _on_h200(runs):
+    return [(name, data) for name, data in runs if data["environment"]["gpu"] == "NVIDIA H200"]
 
 
 def trl_step_sentence() -> str:
@@ -597,7 +613,8 @@ def trl_step_sentence() -> str:
     step = data["sft_step"]
     model, laps = step["model"], step.get("laps", 1)
     return (f"A user's step: one SFTTrainer step on a {model['num_hidden_layers']}-layer Llama-3-shaped model "
-            f"(V = {model['vocab_size']}, H = {model['hidden_size']}, bf16, {step['batch']} × {step['seq_len']} "
+            f"(one {data['gpu'].removeprefix('NVIDIA ')}, V = {model['vocab_size']}, H = {model['hidden_size']}, bf16, "
+            f"{step['batch']} × {step['seq_len']} "
             f"tokens, {step['ignored_label_fraction']:.0%} of the labels -100; the median of "
             f"{laps * step['timed_steps']} steps{' in alternating laps' if laps > 1 else ''}; `{name}`) takes "
             f"{step['flce']['ms']:.1f} ms and {step['flce']['peak_mib']:.0f} MiB with this kernel under "
@@ -632,6 +649,7 @@ def trl_section(runs) -> str:
     SFT's peak memory (target <= 0.5) and what the entropy's gradient adds to GRPO's step with each
     kernel (target <= 8%). Each pair of numbers comes from one run: the newest that
     measured both on that row."""
+    runs = _on_h200(runs)
     if not runs:
         return "No TRL run recorded."
     runs = sorted(runs, key=lambda item: item[1]["environment"]["date"])
@@ -808,12 +826,17 @@ def _kept_run(runs):
 
 def token_trainers_section(runs) -> str:
     """Per head and trainer: TRL's head with TRL's kernel, with ours (kept rows at the default budget) and
-    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them."""
+    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them.
+    Where the run recorded the rows kept (``kept_rows``), the time that share predicts: each kept row at
+    6·N·V·H and each recomputed one at 8, scaled from the step with none kept."""
     name, results = _kept_run(runs)
     if results is None:
         return ""
-    lines = ["| head, ignored | trainer | TRL's kernel | ours, kept rows | ratio | ours, none kept (`FLCE_KEEP_MIB=0`) "
-             "| ratio | peak MiB: kept / none / TRL |", "|---|---|---|---|---|---|---|---|"]
+    gpu = _gpu_of(name)
+    lines = [f"One {gpu}, bf16, N = 8192 tokens, LM-like inputs; step ms (forward + backward) and peak MiB.", "",
+             "| head, ignored | trainer | TRL's kernel | ours, kept rows | ratio | ours, none kept (`FLCE_KEEP_MIB=0`) "
+             "| ratio | rows kept | predicted ms (measured / predicted) | peak MiB: kept / none / TRL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]:
         for kind in TOKEN_KINDS:
             trl, kept, none = (results.get((row, f"{head}-{kind}{budget}"))
@@ -821,16 +844,23 @@ def token_trainers_section(runs) -> str:
             if trl is None or kept is None:
                 continue
             ratio = kept["step_ms"] / trl["step_ms"]
+            share = kept.get("kept_rows")
+            share = None if share is None else share / kept["n_valid"]
+            predicted = None if share is None or none is None else none["step_ms"] * (6 * share + 8 * (1 - share)) / 8
             cells = [f"{row.split('-')[0]}, {'50%' if row.endswith('-masked') else '10%'}", kind,
                      f"{trl['step_ms']:.1f}", f"{kept['step_ms']:.1f}",
                      f"{ratio:.3f}{'' if ratio <= TOKEN_TARGET else ' ✗'}",
                      "—" if none is None else f"{none['step_ms']:.1f}",
                      "—" if none is None else f"{none['step_ms'] / trl['step_ms']:.3f}",
+                     "—" if share is None else f"{share:.0%}",
+                     "—" if predicted is None else f"{predicted:.1f} ({kept['step_ms'] / predicted:.3f})",
                      " / ".join("—" if r is None else f"{r['step_peak_mib']:.0f}" for r in (kept, none, trl))]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"✗: over {TOKEN_TARGET}× TRL's step. Run: `{name}`. The per-token upstream gradients of these "
               "trainers are known only in the backward; kept rows skip the logits' recompute (6·N·V·H against 8) "
-              "within a budget that keeps the peak at or under TRL's head's (docs/design.md, \"Kept rows\")."]
+              "within a budget that keeps the peak at or under TRL's head's (docs/design.md, \"Kept rows\"). "
+              "Rows kept: the share of the rows with a target that the default budget keeps (— where the run did "
+              "not record it); the predicted time scales the step with none kept by (6·kept + 8·recomputed) / 8."]
     return "\n".join(lines)
 
 
@@ -849,7 +879,7 @@ def _newest_model_step(key: str) -> tuple[str | None, dict | None]:
     if not runs:
         return None, None
     name, data = max(runs, key=lambda item: item[1]["date"])
-    return name, data[key]
+    return name, dict(data[key], gpu=data["gpu"].removeprefix("NVIDIA "))
 
 
 def grpo_step_sentence() -> str:
@@ -859,7 +889,8 @@ def grpo_step_sentence() -> str:
     if step is None:
         return ""
     return (f"A GRPO-shaped step of a {step['model']['num_hidden_layers']}-layer Llama-3-shaped model through TRL's "
-            f"head ({step['batch']} × {step['seq_len']} tokens, temperature {step['temperature']}, entropy bonus "
+            f"head (one {step['gpu']}, {step['batch']} × {step['seq_len']} tokens, temperature {step['temperature']}, "
+            f"entropy bonus "
             f"{step['entropy_coef']}, {step['laps']} alternating laps; `{name}`) takes {step['flce']['ms']:.1f} ms and "
             f"{step['flce']['peak_mib']:.0f} MiB with this kernel, against {step['trl']['ms']:.1f} ms and "
             f"{step['trl']['peak_mib']:.0f} MiB with TRL's: {step['ratio_ms']:.3f}× the time (target ≤ 0.9), "
@@ -867,28 +898,44 @@ def grpo_step_sentence() -> str:
 
 
 def token_summary(runs) -> str:
-    """README's paragraph on TRL's head with both kernels: SFT's step and memory, and the per-token
-    trainers' with kept rows, from the newest run that timed them (BENCHMARKS.md has the tables)."""
+    """README's paragraph on TRL's head with both kernels: SFT's step and memory (the newest run that
+    timed both heads' SFT), and the per-token trainers' with kept rows (the newest run that timed them),
+    each naming its GPU (BENCHMARKS.md has the tables)."""
     name, results = _kept_run(runs)
     if results is None:
         return ""
 
-    def ratios(kinds, rows, key="step_ms"):
-        return [results[(row, f"flce-{k}")][key] / results[(row, f"trl-{k}")][key] for row in rows for k in kinds
-                if (row, f"flce-{k}") in results and (row, f"trl-{k}") in results]
+    def ratios(found, kinds, rows, key="step_ms"):
+        return [found[(row, f"flce-{k}")][key] / found[(row, f"trl-{k}")][key] for row in rows for k in kinds
+                if (row, f"flce-{k}") in found and (row, f"trl-{k}") in found]
 
-    heads = [row for row in ("llama3", "qwen25", "llama3-masked") if (row, "flce-dpo") in results]
-    others = ["dpo", "kto", "rloo", "dft", "grpo-coef0"]
-    sft, sft_mib = ratios(["sft"], TRL_HEADS), ratios(["sft"], TRL_HEADS, "step_peak_mib")
-    parts = [f"Through TRL's head on one H200 (bf16, N = 8192, `{name}`), SFT's step takes {_span(sft)} TRL's "
-             f"time at {_span(sft_mib)} its memory; with kept rows, DPO's, KTO's, RLOO's, DFT's and GRPO's "
-             f"(entropy coefficient 0) take {_span(ratios(others, heads))} on Llama-3 and Qwen-2.5 (10% and 50% "
-             f"ignored)"]
-    if ("gemma2", "flce-dpo") in results:
-        parts.append(f", {_span(ratios(others, ['gemma2']))} on Gemma-2 (whose vocabulary leaves room for about "
-                     "half of its rows)")
-    parts.append(f", and GRPO's with an entropy bonus {_span(ratios(['grpo'], heads + ['gemma2']))}, each at "
-                 "most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers\"). ")
+    parts = []
+    with_sft = [(n, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
+                for n, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
+    with_sft = [(n, found) for n, found in with_sft if ratios(found, ["sft"], TRL_HEADS)]
+    if with_sft:
+        sft_name, found = with_sft[-1]
+        parts.append(f"Through TRL's head on one {_gpu_of(sft_name)} (bf16, N = 8192, `{sft_name}`), SFT's step "
+                     f"takes {_span(ratios(found, ['sft'], TRL_HEADS))} TRL's time at "
+                     f"{_span(ratios(found, ['sft'], TRL_HEADS, 'step_peak_mib'))} its memory. ")
+    labels = {"dpo": "DPO", "kto": "KTO", "rloo": "RLOO", "dft": "SFT's DFT",
+              "grpo-coef0": "GRPO at entropy coefficient 0", "grpo": "GRPO with an entropy bonus"}
+    heads = [row for row in ("llama3", "qwen25", "llama3-masked", "gemma2-masked", "qwen25-masked")
+             if (row, "flce-grpo") in results]
+    kinds = [k for k in labels if ratios(results, [k], heads)]
+    where = "; ".join(f"{' and '.join(HEAD_NAMES[h.split('-')[0]] for h in heads if h.endswith('-masked') == masked)} "
+                      f"at {'50' if masked else '10'}% ignored" for masked in (False, True)
+                      if any(h.endswith("-masked") == masked for h in heads))
+    parts.append(f"On one {_gpu_of(name)} (`{name}`), with kept rows, the steps of "
+                 f"{', '.join(labels[k] for k in kinds[:-1])} and {labels[kinds[-1]]} take "
+                 f"{_span(ratios(results, kinds, heads))} TRL's time where the budget keeps every row ({where})")
+    gemma = [results[("gemma2", f"flce-{k}")] for k in kinds if ("gemma2", f"flce-{k}") in results]
+    if gemma:
+        kept = gemma[0].get("kept_rows")
+        room = "part" if kept is None else f"{kept / gemma[0]['n_valid']:.0%}"
+        parts.append(f", and {_span(ratios(results, kinds, ['gemma2']))} on Gemma-2 at 10% ignored, whose "
+                     f"vocabulary leaves room for {room} of its rows")
+    parts.append(", each at most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers, with kept rows\"). ")
     return "".join(parts) + grpo_step_sentence()
 
 
@@ -901,7 +948,8 @@ def distill_step_sentence() -> str:
     return (f"A DistillationTrainer-shaped step (a {step['model']['num_hidden_layers']}-layer Llama-3-shaped "
             f"student against a frozen teacher of the same shape, {step['batch']} × {step['seq_len']} tokens, "
             f"{1 - step['prompt_fraction']:.0%} of them completions, β = {step['beta']:g}, through TRL's "
-            f"`_chunked_divergence_loss`, {step['laps']} alternating laps; `{name}`) takes {step['flce']['ms']:.1f} "
+            f"`_chunked_divergence_loss`, {step['laps']} alternating laps, one {step['gpu']}; `{name}`) takes "
+            f"{step['flce']['ms']:.1f} "
             f"ms and {step['flce']['peak_mib']:.0f} MiB with this kernel, against {step['trl']['ms']:.1f} ms and "
             f"{step['trl']['peak_mib']:.0f} MiB with TRL's: {step['ratio_ms']:.3f}× the time (target ≤ 0.85), "
             f"{step['ratio_mib']:.2f}× the memory.")

@@ -145,6 +145,7 @@ def time_sft_step(flce, ours: bool, shapes: dict, batch: int, seq_len: int, warm
         def on_step_begin(self, args, state, control, **kwargs):
             sync()
             if state.global_step == warmup and not cpu:
+                gc.collect()  # as in timed_steps: no model of the lap before in this lap's peak
                 torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
 
@@ -207,6 +208,9 @@ def timed_steps(flce, ours: bool, step, warmup: int, steps: int, cpu: bool, head
     try:
         for index in range(warmup + steps):
             if index == warmup and not cpu:
+                # the peak of these steps alone: a model of the lap before, held by reference cycles
+                # until a collection, would otherwise count in this lap's peak
+                gc.collect()
                 torch.cuda.reset_peak_memory_stats()
             sync()
             start = time.perf_counter()
