@@ -203,3 +203,24 @@ def test_a_run_of_laps_shows_the_step_ratio_lap_by_lap(report):
     assert report.lap_ratios(latest, row, "lm") == pytest.approx([0.88, 9.2 / 10.5])
     line = next(s for s in report.targets(latest, [row], "lm").splitlines() if s.startswith(f"| {row} |"))
     assert line.startswith(f"| {row} | {9.0 / 10.25:.3f} ✓ (laps 0.876–0.880) |")
+
+
+def test_the_kept_table_predicts_a_partial_share_from_the_step_with_none_kept(report, monkeypatch):
+    """With ``kept_rows`` recorded, a row that keeps 3 of its 4 rows is predicted at the step with
+    none kept times (6 * 3/4 + 8 * 1/4) / 8 = 13/16, and marked only past 1.05x that; a row that
+    keeps all of its rows (predicted at 6/8) is marked against 0.8x TRL's step only."""
+    monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
+
+    def result(row, method, ms, kept=None):
+        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
+                **({} if kept is None else {"kept_rows": kept})}
+
+    run = {"environment": {"date": "2026-01-01"}, "results": [
+        result("gemma2", "trl-dpo", 105.0), result("gemma2", "flce-dpo-keep0", 96.0),
+        result("gemma2", "flce-dpo", 82.0, kept=3),  # 0.781x TRL's, but 78.0 predicted: 1.051x of it, marked
+        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
+        result("llama3", "flce-dpo", 79.0, kept=4)]}  # 72.0 predicted, but 0.79x TRL's: not marked
+    lines = {line.split(" | ")[0]: line for line in report.token_trainers_section([("run.json", run)]).splitlines()
+             if line.startswith("| ")}
+    assert lines["| gemma2, 10%"].split(" | ")[4:9] == ["0.781 ✗", "96.0", "0.914", "75%", "78.0 (1.051)"]
+    assert lines["| llama3, 10%"].split(" | ")[4:9] == ["0.790", "96.0", "0.960", "100%", "72.0 (1.097)"]
