@@ -1,12 +1,12 @@
-"""The logit sweeps' tile statistics on Hopper in Gluon, Triton's lower-level dialect (docs/design.md, 59).
+"""The logit sweeps' tile statistics on Hopper in Gluon, Triton's lower-level dialect (docs/design.md,
+"Hopper: the copy engine and the Gluon kernel").
 
 The logit kernel (``_tile_kernels._tile_stats_kernel``) computes 128 x 256 tiles with two warpgroups.
 This kernel computes 192 x 256 tiles with three: each warpgroup takes 64 rows (a 64 x 256 fp32
 accumulator, wgmma m64n256k16), and all three read one shared-memory ring that holds, for each
 K step, three 64-row blocks of hidden and one 256-row block of weight. A tile then reads
 (192 + 256) / (192 x 256) operand elements a product, 22% fewer than 128 x 256, and a forward of
-Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles. On the H200 it ran the
-statistics 1-3% faster a flop than the logit kernel.
+Llama-2's head (V = 32000) takes fewer, fuller rounds of tiles.
 
 Two sweeps take this path, of plain logits only (no bias, logit scale, softcap or smoothing's
 logit sum, no metrics; z-loss and class weights enter the loss only): the forward's statistics
