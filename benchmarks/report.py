@@ -1124,6 +1124,10 @@ def main():
         "drawn from it (about 5 nats, 25% top-1); \"uniform\" are logits ~ N(0, 1). 10% of targets "
         "are ignored, on every row but the \"-no-ignored\" ones.",
         "",
+        "The Hub's own benchmark (`kernels benchmark qgallouedec/fused-linear-ce@v1`) runs "
+        "`benchmarks/benchmark_hub.py`: the loss's training step on these heads and SFT's and GRPO's per-token "
+        "outputs with their backward, each checked against and timed beside PyTorch eager on the logits.",
+        "",
         "## Runs",
         "",
         environment(runs),

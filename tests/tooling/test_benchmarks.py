@@ -224,3 +224,18 @@ def test_the_kept_table_predicts_a_partial_share_from_the_step_with_none_kept(re
              if line.startswith("| ")}
     assert lines["| gemma2, 10%"].split(" | ")[4:9] == ["0.781 ✗", "96.0", "0.914", "75%", "78.0 (1.051)"]
     assert lines["| llama3, 10%"].split(" | ")[4:9] == ["0.790", "96.0", "0.960", "100%", "72.0 (1.097)"]
+
+
+def test_the_hubs_benchmark_runs_and_verifies_every_workload():
+    """``kernels benchmark`` on this checkout: its runner finds benchmarks/benchmark_hub.py, loads the
+    kernel from the checkout and times each workload, whose result it checks against the script's
+    PyTorch eager reference (torch.allclose, atol 1e-2: the loss and log-probs in fp32 on a CPU)."""
+    try:  # where kernels keeps its runner: kernels.cli (0.17) or kernels._internals.cli (0.19)
+        from kernels.cli.benchmark import run_benchmark_script
+    except ImportError:
+        from kernels._internals.cli.benchmark import run_benchmark_script
+    results, _ = run_benchmark_script(ROOT / "benchmarks" / "benchmark_hub.py", iterations=1, warmup=0, cwd=ROOT,
+                                      repo_id=str(ROOT), is_local=True, revision="local")
+    workloads = {f"LossStep.{head}" for head in ("llama3", "gemma2", "qwen25", "llama2")}
+    assert set(results) == workloads | {"TokenOutputs.sft", "TokenOutputs.grpo"}
+    assert all(timing.verified is True and timing.ref_mean_ms is not None for timing in results.values())
