@@ -978,19 +978,14 @@ def our_plans(flce, hidden, weight) -> dict:
 
 def kept_rows(flce, hidden, weight) -> int | None:
     """Rows that a per-token forward on ``hidden`` [n, H] (the rows with a target, as TRL's head passes
-    them) keeps for its backward at the default budget (``_kept.forward_chunks``' count, without a
-    kernel run); None where the loaded build has no kept rows or the inputs are not on the GPU."""
-    try:
-        kept = importlib.import_module(f"{flce.__name__}._kept")
-    except ModuleNotFoundError:
+    them) keeps for its backward at the default budget (``_kept.KeptRows``, without a kernel run);
+    None where the inputs are not on the GPU."""
+    if not hidden.is_cuda:
         return None
-    if not hidden.is_cuda or not hasattr(kept, "budget"):
-        return None
-    backend = importlib.import_module(f"{flce.__name__}._triton_backend")
+    kept, backend = (importlib.import_module(f"{flce.__name__}.{name}") for name in ("_kept", "_triton_backend"))
     n_rows, hidden_size = hidden.shape
-    row_bytes = (backend.kept_row_bytes(weight.shape[0], hidden.dtype, False)
-                 + 2 * hidden_size * hidden.element_size())
-    return min(n_rows, kept.budget(n_rows, weight.shape[0], hidden_size, hidden.dtype) // row_bytes)
+    rows = kept.KeptRows.for_call(backend, n_rows, weight.shape[0], hidden_size, hidden.dtype, False)
+    return rows.rows_to_keep(n_rows)
 
 
 def _revision(root: str) -> str | None:

@@ -652,8 +652,7 @@ def trl_section(runs) -> str:
     runs = _on_h200(runs)
     if not runs:
         return "No TRL run recorded."
-    runs = sorted(runs, key=lambda item: item[1]["environment"]["date"])
-    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r}) for name, data in runs]
+    found = _steps_by_date(runs)
     used = set()
 
     def pair(row, first, second):
@@ -815,12 +814,16 @@ TOKEN_KINDS = ["grpo", "grpo-coef0", "dpo", "kto", "rloo", "dft"]
 TOKEN_TARGET = 0.8
 
 
+def _steps_by_date(runs) -> list[tuple[str, dict]]:
+    """[(name, {(row, method): result})] of ``runs``' timed steps, oldest run first."""
+    return [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
+            for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
+
+
 def _kept_run(runs):
     """(name, {(row, method): result}) of the newest TRL run that timed the kept rows (its
     ``*-keep0`` methods), or (None, None)."""
-    found = [(name, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
-             for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
-    found = [(name, results) for name, results in found if any(m.endswith("-keep0") for _, m in results)]
+    found = [(name, results) for name, results in _steps_by_date(runs) if any(m.endswith("-keep0") for _, m in results)]
     return found[-1] if found else (None, None)
 
 
@@ -913,9 +916,7 @@ def token_summary(runs) -> str:
                 if (row, f"flce-{k}") in found and (row, f"trl-{k}") in found]
 
     parts = []
-    with_sft = [(n, {(r["row"], r["method"]): r for r in data["results"] if "step_ms" in r})
-                for n, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
-    with_sft = [(n, found) for n, found in with_sft if ratios(found, ["sft"], TRL_HEADS)]
+    with_sft = [(n, found) for n, found in _steps_by_date(runs) if ratios(found, ["sft"], TRL_HEADS)]
     if with_sft:
         sft_name, found = with_sft[-1]
         parts.append(f"Through TRL's head on one {_gpu_of(sft_name)} (bf16, N = 8192, `{sft_name}`), SFT's step "

@@ -123,6 +123,16 @@ class KeptRows:
     computed: int = 0
     order: torch.Tensor | None = None
 
+    @classmethod
+    def for_call(cls, backend, n_rows: int, vocab_size: int, hidden_size: int, dtype: torch.dtype, has_softcap: bool,
+                 keep_mib: int | None = None, keep_rows: int | None = None) -> "KeptRows":
+        """None kept yet of a call's rows: its ``budget`` (the plan's ``keep_mib``), its cap and the bytes
+        of a kept row (the backend's buffer row and state, and the hidden and grad_hidden rows that its
+        products gather: 2 H e)."""
+        element_size = torch.finfo(dtype).bits // 8
+        row_bytes = backend.kept_row_bytes(vocab_size, dtype, has_softcap) + 2 * hidden_size * element_size
+        return cls(row_bytes, budget(n_rows, vocab_size, hidden_size, dtype, keep_mib), keep_rows)
+
     def rows_to_keep(self, rows_with_target: int) -> int:
         """Rows kept among ``rows_with_target`` (the count, or before it is known the rows of the
         call): as many as the budget holds, at most the cap."""
@@ -224,12 +234,8 @@ def forward_chunks(step) -> "KeptRows":
     a chunk that the budget cuts is swept in two."""
     backend, opts, hidden = step.backend, step.opts, step.hidden
     n_rows, hidden_size = hidden.shape
-    plan = step.plan
-    # (a kept row's products gather its hidden row and its grad_hidden row: 2 H e bytes beside it)
-    row_bytes = (backend.kept_row_bytes(step.vocab_size, hidden.dtype, opts.has_softcap)
-                 + 2 * hidden_size * hidden.element_size())
-    kept = KeptRows(row_bytes, budget(n_rows, step.vocab_size, hidden_size, hidden.dtype, plan.keep_mib),
-                    plan.keep_rows)
+    kept = KeptRows.for_call(backend, n_rows, step.vocab_size, hidden_size, hidden.dtype, opts.has_softcap,
+                             step.plan.keep_mib, step.plan.keep_rows)
     keep = kept.rows_to_keep(n_rows)  # before the count is known: as many as if every row had a target
     for start, end, hidden_c, targets_c, _, _ in step.chunks():
         if start > 0 and step.row_order is not None:
