@@ -12,15 +12,23 @@ DPO's (log-probs alone, summed, then weighted per sequence). Re-record after cha
 kernel's parameters or a launch's specialisation (``tests/kernels/test_precompile.py`` checks the
 parameters).
 
-    python scripts/record_specializations.py [--out PATH]
+Each entry then gets its compile time (``compile_s``: Triton's compile for the recorded GPU, no
+GPU needed, one entry after another into an empty cache), by which ``_precompile`` shares the
+entries out among its children; ``--times-only`` re-times the table as it stands (any machine with
+the table's Triton).
+
+    python scripts/record_specializations.py [--out PATH] [--times-only]
 """
 
 import argparse
+import importlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -99,23 +107,78 @@ def record(kind: str) -> list[dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def time_compiles(gpu: str, table: dict) -> None:
+    """Sets each entry's ``compile_s``: Triton's compile of its specialisation for ``gpu``
+    ("sm_90"), once per distinct entry, one after another in this process, into an empty cache
+    (after one compile into another, so that no entry pays the compiler's loading)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    from fused_linear_ce import _precompile
+
+    target = GPUTarget("cuda", int(gpu.removeprefix("sm_")), 32)
+    backend = triton.compiler.make_backend(target)
+    distinct = {(e["module"], e["kernel"], e["key"]): e for entries in table["kinds"].values() for e in entries}
+
+    def compile_entry(entry: dict) -> float:
+        kernel = getattr(importlib.import_module(f"fused_linear_ce.{entry['module']}"), entry["kernel"])
+        # (Triton sets a kernel's source class at its first launch on a device; none here)
+        kernel.ASTSource = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+        options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
+                                         for k, v in entry["data"]["options"].items()})
+        start = time.perf_counter()
+        triton.compile(_precompile._source(kernel, entry["data"]), target=target, options=options.__dict__)
+        return time.perf_counter() - start
+
+    seconds = {}
+    for cache in ("loading", "timed"):
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ["TRITON_CACHE_DIR"] = folder
+            for key, entry in (list(distinct.items())[:1] if cache == "loading" else distinct.items()):
+                seconds[key] = compile_entry(entry)
+    for entries in table["kinds"].values():
+        for entry in entries:
+            entry["compile_s"] = round(seconds[entry["module"], entry["kernel"], entry["key"]], 3)
+    table["compile_host"] = _cpu_name()
+    print(f"{gpu}: {len(distinct)} compiles, {sum(seconds.values()):.1f} s on {table['compile_host']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=TABLE)
+    parser.add_argument("--times-only", action="store_true", help="re-time the recorded table's compiles")
     args = parser.parse_args()
-    import torch
-    import triton
-
-    major, minor = torch.cuda.get_device_capability()
     recorded = json.loads(TABLE.read_text())
-    kinds = {}
-    for kind in KINDS:
-        kinds[kind] = record(kind)
-        print(f"{kind}: {len(kinds[kind])} specialisations", flush=True)
-    recorded[f"sm_{major}{minor}"] = {
-        "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kinds": kinds,
-    }
+    if args.times_only:
+        for gpu, table in recorded.items():
+            time_compiles(gpu, table)
+    else:
+        import torch
+        import triton
+
+        major, minor = torch.cuda.get_device_capability()
+        kinds = {}
+        for kind in KINDS:
+            kinds[kind] = record(kind)
+            print(f"{kind}: {len(kinds[kind])} specialisations", flush=True)
+        gpu = f"sm_{major}{minor}"
+        recorded[gpu] = {
+            "gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kinds": kinds,
+        }
+        time_compiles(gpu, recorded[gpu])
     args.out.write_text(render(recorded))
     print(f"wrote {args.out}")
 

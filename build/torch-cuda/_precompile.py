@@ -15,7 +15,8 @@ Triton's ``JITFunction.preload``. Triton keys its compiled kernels by the argume
 specialisation, so a compiled entry serves exactly the launches that would have compiled it;
 one that no launch asks for costs a child's work and nothing else. A call whose arguments
 specialise otherwise (another GPU, Triton or dtype, a vocabulary that is not a multiple of 16)
-compiles what it lacks at its launch, as without this module.
+compiles what it lacks at its launch, as without this module. Each entry carries its compile
+time (``compile_s``, timed by the recording script), by which the children's work is shared out.
 """
 
 import contextlib
@@ -62,7 +63,7 @@ def _table(device: torch.device) -> dict | None:
 
 
 def _pending(kind: str, device: int, table: dict) -> list[tuple]:
-    """(kernel, specialisation data) of ``kind`` that this process has not compiled."""
+    """(kernel, specialisation data, compile seconds) of ``kind`` that this process has not compiled."""
     pending = []
     for entry in table["kinds"].get(kind, ()):
         try:
@@ -70,7 +71,7 @@ def _pending(kind: str, device: int, table: dict) -> list[tuple]:
         except (ImportError, AttributeError):  # no Gluon here, or a kernel moved or renamed since the recording
             continue
         if entry["key"] not in kernel.device_caches[device][0]:
-            pending.append((kernel, entry["data"]))
+            pending.append((kernel, entry["data"], entry["compile_s"]))
     return pending
 
 
@@ -87,7 +88,7 @@ def _source(kernel, data: dict):
 
 def _compile_into_cache(work: list[tuple], device: int) -> None:
     """In a forked child: compiles each (kernel, data) and builds its launcher, into Triton's cache."""
-    for kernel, data in work:
+    for kernel, data, _ in work:
         _, _, target, backend, _ = kernel.device_caches[device]
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
                                          for k, v in data["options"].items()})
@@ -95,15 +96,21 @@ def _compile_into_cache(work: list[tuple], device: int) -> None:
         driver.active.launcher_cls(compiled.src, compiled.metadata)
 
 
+# A child builds each kernel's C launcher after compiling it: gcc, about the same time for every
+# kernel (0.34 s where the table's compiles were timed).
+_LAUNCHER_S = 0.35
+
+
 def _split(pending: list[tuple], parts: int) -> list[list[tuple]]:
-    """``pending`` in ``parts`` groups of about equal work, the largest kernels (by parameter
-    count, a proxy for their compile time) first: each to the group with the least so far."""
+    """``pending`` in ``parts`` groups of about equal work (the recorded compile time and the
+    launcher's build), the longest first, each to the group with the least so far: the children
+    finish together, none held up by a second long compile."""
     groups: list[list[tuple]] = [[] for _ in range(parts)]
-    work = [0] * parts
-    for item in sorted(pending, key=lambda item: -len(item[1]["signature"])):
+    work = [0.0] * parts
+    for item in sorted(pending, key=lambda item: -item[2]):
         least = work.index(min(work))
         groups[least].append(item)
-        work[least] += len(item[1]["signature"])
+        work[least] += item[2] + _LAUNCHER_S
     return [group for group in groups if group]
 
 
@@ -119,7 +126,7 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0
     """Compiles ``pending`` in forked children, one group each; returns how many of them
     succeeded. Past ``timeout_s`` (a compile takes seconds) the children left are killed: their
     kernels then compile at their launch."""
-    for kernel, _ in pending:  # hashes that every child would compute, computed once here
+    for kernel, _, _ in pending:  # hashes that every child would compute, computed once here
         _ = kernel.cache_key
         kernel.device_caches[device][3].hash()
     from triton.runtime.cache import triton_key  # (a table is used only with the Triton it names)

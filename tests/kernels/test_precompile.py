@@ -68,6 +68,7 @@ def test_recorded_specializations_match_the_kernels():
                 parameters = _parameters(entry["module"])
                 assert entry["kernel"] in parameters, (gpu, kind, entry["kernel"])
                 assert list(entry["data"]["signature"]) == parameters[entry["kernel"]], (gpu, kind, entry["kernel"])
+                assert entry["compile_s"] > 0, (gpu, kind, entry["kernel"])  # the warm-up's shares
                 twins = [e for e in entries if (e["kernel"], e["key"]) == (entry["kernel"], entry["key"])]
                 assert len(twins) == 1, (gpu, kind, entry["kernel"], "twice")
 
@@ -125,19 +126,21 @@ def test_first_call_compiles_in_the_warm_up_only(kind):
 
 
 def test_split_balances_the_work(flce):
-    """The warm-up's groups (one forked child each): every entry in exactly one group, the four
-    largest kernels each leading a group, and the groups' work (parameter counts, the proxy of
-    compile time) within the smallest entry of each other here, 36 40 36 40, where dealing the
-    entries out in turn would give 49 43 36 24."""
+    """The warm-up's groups (one forked child each), shared out by recorded compile time: every
+    entry in exactly one group, and the children's longest work (compiles plus a launcher build
+    each) that of the longest entry alone, the least possible here, where a count of parameters
+    (the Gluon sweep's 13 against the Triton sweep's 28) would pair the longest compile with
+    another entry."""
     precompile = submodule(flce, "_precompile")
-    sizes = [36, 35, 30, 12, 8, 8, 6, 6, 6, 5]
-    pending = [(f"kernel{i}", {"signature": dict.fromkeys(range(n))}) for i, n in enumerate(sizes)]
+    seconds = [1.7, 1.3, 1.0, 0.4, 0.1, 0.1]
+    pending = [(f"kernel{i}", {}, s) for i, s in enumerate(seconds)]
     groups = precompile._split(pending, 4)
-    names = sorted(name for group in groups for name, _ in group)
-    assert names == sorted(name for name, _ in pending)
-    assert [group[0][0] for group in groups] == ["kernel0", "kernel1", "kernel2", "kernel3"]
-    work = [sum(len(data["signature"]) for _, data in group) for group in groups]
-    assert max(work) - min(work) <= min(sizes)
+    names = sorted(name for group in groups for name, _, _ in group)
+    assert names == sorted(name for name, _, _ in pending)
+    launcher = precompile._LAUNCHER_S
+    longest = max(sum(s + launcher for _, _, s in group) for group in groups)
+    assert longest == pytest.approx(max(seconds) + launcher)
+    assert [group for group in groups if pending[0] in group] == [[pending[0]]]
 
 
 class _StubKernel:
@@ -157,18 +160,18 @@ def test_children_compile_every_group_and_are_killed_past_the_deadline(flce, tmp
     precompile = submodule(flce, "_precompile")
 
     def compile_into_cache(work, device):
-        for _, data in work:
+        for _, data, _ in work:
             if data["hang"]:
                 time.sleep(120)
             (tmp_path / data["name"]).write_text(str(os.getpid()))
 
     monkeypatch.setattr(precompile, "_compile_into_cache", compile_into_cache)
-    pending = [(_StubKernel(), {"signature": {"x": 0}, "name": f"entry{i}", "hang": False}) for i in range(5)]
+    pending = [(_StubKernel(), {"name": f"entry{i}", "hang": False}, 0.1) for i in range(5)]
     assert precompile._fork_and_compile(pending, 0) == min(5, precompile._cpus())
     written = {path.name: path.read_text() for path in tmp_path.iterdir()}
     assert sorted(written) == [f"entry{i}" for i in range(5)]
     assert str(os.getpid()) not in written.values()
     start = time.monotonic()
-    hung = [(_StubKernel(), {"signature": {"x": 0}, "name": "hung", "hang": True})]
+    hung = [(_StubKernel(), {"name": "hung", "hang": True}, 0.1)]
     assert precompile._fork_and_compile(hung, 0, timeout_s=0.5) == 0
     assert time.monotonic() - start < 10 and not (tmp_path / "hung").exists()
