@@ -534,20 +534,32 @@ COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft":
 
 def cold_start_sentence() -> str:
     """The first training calls of ``benchmarks/cold_start.py`` (a fresh process, an empty Triton cache)
-    from the newest ``cold-start-*.json`` that timed the lazy call beside them; empty where none does."""
+    from the newest ``cold-start-*.json`` (of a before/after, its ``shipped`` side, each lap), beside the
+    lazy call (each kernel compiled at its launch) of the newest run that timed it; empty where none does."""
     runs = recorded("cold-start-*.json")
-    runs = [(name, data) for name, data in runs if any(r["call"] == "loss-lazy" for r in data["records"])]
-    if not runs:
+    lazy_runs = [(name, data) for name, data in runs if any(r["call"] == "loss-lazy" for r in data["records"])]
+    if not lazy_runs:
         return ""
     name, data = max(runs, key=lambda item: item[1]["environment"]["date"])
-    first = {r["call"]: r["first_call_s"] for r in data["records"]}
-    calls = ", ".join(f"{first[c]:.1f} s for {label}" for c, label in COLD_CALLS.items() if c in first)
+    records = [r for r in data["records"] if r.get("side", data.get("shipped")) == data.get("shipped")]
+    first = {}
+    for r in records:
+        first.setdefault(r["call"], []).append(r["first_call_s"])
+
+    def seconds(values):
+        low, high = min(values), max(values)
+        return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f}"
+
+    calls = ", ".join(f"{seconds(first[c])} s for {label}" for c, label in COLD_CALLS.items() if c in first)
+    laps = f" in {len(first['loss'])} laps" if len(first.get("loss", ())) > 1 else ""
+    lazy_name, lazy = max(lazy_runs, key=lambda item: item[1]["environment"]["date"])
+    lazy_s = next(r["first_call_s"] for r in lazy["records"] if r["call"] == "loss-lazy")
     return (f"A process's first call of each kind compiles its Triton kernels. On sm_90 with Triton 3.6 they are "
             f"compiled in parallel, in forked children, from the specialisations recorded there, and the logit "
             f"kernel takes its shipped configuration: a first Llama-3 training call with an empty Triton cache "
-            f"took {calls} on an {data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`), against "
-            f"{first['loss-lazy']:.1f} s for the loss with each kernel compiled "
-            f"at its launch. Elsewhere the kernels compile at their launches and the logit kernel is autotuned "
+            f"took {calls}{laps} on an {data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`), against "
+            f"{lazy_s:.1f} s for the loss with each kernel compiled at its launch (`{lazy_name}`). Elsewhere the "
+            f"kernels compile at their launches and the logit kernel is autotuned "
             f"(two to five configurations) at its first call for a given (H, V, dtype, flags). Later calls reuse "
             f"the compiled kernels; a new N (batch or sequence length) does not retune.")
 

@@ -39,6 +39,19 @@ from . import _plan
 
 _warmed: set[tuple[str, int]] = set()
 _lock = threading.Lock()
+_triton_key_thread: threading.Thread | None = None
+
+
+def start_triton_key() -> None:
+    """Makes Triton's cache key (``triton_key``: a hash of Triton's sources and of its 400 MiB
+    library, 0.4 s or more, which a process's first compile waits for) in a daemon thread, so that
+    the first call finds it made. The package calls it at its import on a CUDA build of torch; the
+    warm-up joins the thread before it forks."""
+    global _triton_key_thread
+    from triton.runtime.cache import triton_key
+
+    _triton_key_thread = threading.Thread(target=triton_key, name="triton_key", daemon=True)
+    _triton_key_thread.start()
 
 
 def _kernel(module: str, name: str):
@@ -131,6 +144,8 @@ def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0
         kernel.device_caches[device][3].hash()
     from triton.runtime.cache import triton_key  # (a table is used only with the Triton it names)
 
+    if _triton_key_thread is not None:
+        _triton_key_thread.join()
     triton_key()
     children = []
     with warnings.catch_warnings():  # Python warns that forking a threaded process may deadlock

@@ -7,6 +7,11 @@ Language Models" (Wijmans et al., 2024, arXiv 2411.09009).
 the package itself imports neither TRL nor transformers.
 """
 
+import os as _os
+from importlib.util import find_spec as _find_spec
+
+import torch as _torch
+
 from . import causal_lm, layers, patching
 from .causal_lm import causal_lm_loss, token_metrics
 from .distillation import fused_linear_divergence
@@ -38,6 +43,13 @@ __all__ = [
 ]
 
 _LAZY_SUBMODULES = ("trl",)  # they import optional libraries
+
+# On a CUDA build with Triton, Triton's cache key, which a process's first compile waits for, is
+# made in a thread from here, off the first call's path (docs/design.md, "The cold start").
+if _torch.backends.cuda.is_built() and _os.environ.get("TRITON_INTERPRET") != "1" and _find_spec("triton"):
+    from . import _precompile
+
+    _precompile.start_triton_key()
 
 
 def __getattr__(name: str):

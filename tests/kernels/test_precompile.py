@@ -175,3 +175,32 @@ def test_children_compile_every_group_and_are_killed_past_the_deadline(flce, tmp
     hung = [(_StubKernel(), {"name": "hung", "hang": True}, 0.1)]
     assert precompile._fork_and_compile(hung, 0, timeout_s=0.5) == 0
     assert time.monotonic() - start < 10 and not (tmp_path / "hung").exists()
+
+
+IMPORT_CHILD = r"""
+import sys, torch
+if {blocked}:
+    sys.modules["triton"] = None  # as for a missing package
+torch.backends.cuda.is_built = lambda: True  # a CUDA build of torch, on any machine
+from kernels import get_kernel
+flce = get_kernel("qgallouedec/fused-linear-ce", version=1, trust_remote_code=True)
+precompile = sys.modules.get(flce.__name__ + "._precompile")
+if precompile is None:
+    print("no thread")
+else:
+    from triton.runtime.cache import triton_key
+    precompile._triton_key_thread.join(timeout=120)
+    print(triton_key.cache_info().currsize == 1 and triton_key() == triton_key.__wrapped__())
+"""
+
+
+@pytest.mark.parametrize("blocked, expected", [(False, "True"), (True, "no thread")])
+def test_import_makes_the_triton_key_in_a_thread(blocked, expected):
+    """Imported with a CUDA build of torch, the package makes Triton's cache key in a thread: Triton's
+    own cache then holds the key that a fresh computation gives. Without Triton, it imports all the
+    same, with no thread."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", IMPORT_CHILD.format(blocked=blocked)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == expected
