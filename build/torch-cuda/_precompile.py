@@ -100,7 +100,8 @@ def _source(kernel, data: dict):
 
 
 def _compile_into_cache(work: list[tuple], device: int) -> None:
-    """In a forked child: compiles each (kernel, data) and builds its launcher, into Triton's cache."""
+    """In a forked child: compiles each entry of ``work`` (kernel, data, seconds) and builds its
+    launcher, into Triton's cache."""
     for kernel, data, _ in work:
         _, _, target, backend, _ = kernel.device_caches[device]
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
