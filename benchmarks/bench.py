@@ -251,6 +251,7 @@ RLOO_BETA = 0.04  # the KL to a reference model's log-probs (its k3 estimator), 
 KEPT_METHODS = [f"{head}-{kind}{budget}" for kind in TOKEN_TRAINERS for head, budget in
                 (("trl", ""), ("flce", ""), ("flce", "-keep0"))] + ["flce-grpo-keep0", "flce-grpo-coef0-keep0"]
 METHODS += KEPT_METHODS
+BASE_METHODS = (*BASE_METHODS, *(m for m in KEPT_METHODS if m.endswith("-keep0")))
 OTHER_LOSS = (*OTHER_LOSS, *KEPT_METHODS)
 
 
@@ -307,8 +308,12 @@ def token_trainer_loss(apply, kind: str):
 
 
 def without_kept_rows(flce, loss):
-    """``loss`` with FLCE_KEEP_MIB=0 (every row of the per-token backward recomputed)."""
+    """``loss`` with FLCE_KEEP_MIB=0 (every row of the per-token backward recomputed); ``loss``
+    itself for a build before kept rows (``--base``), which recomputes every row: the pair then
+    says whether the budget's off switch gives the time and memory of before."""
     settings = sys.modules[flce.__name__ + "._settings"]
+    if "keep_mib" not in settings._FIELDS:
+        return loss
 
     def call(h, w, t):
         with settings.override(keep_mib=0):

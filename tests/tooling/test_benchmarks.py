@@ -85,6 +85,27 @@ def test_grpo_heads_with_and_without_the_entropy_bonus(bench):
         (policy - bench.GRPO_ENTROPY_COEF * entropy / 4).item())
 
 
+def test_keep0_turns_the_budget_off_and_times_an_earlier_build_as_it_is(bench, flce, monkeypatch):
+    """``flce-*-keep0`` runs its loss with the budget at 0 (read here from the settings in force
+    during the call), and on an earlier build without kept rows (``--base``, whose settings have no
+    such field) the loss as it is, so that the pair with ``@base`` compares the off switch with
+    before; every keep0 method is among those ``--base`` times."""
+    import types
+
+    settings = sys.modules[flce.__name__ + "._settings"]
+    seen = bench.without_kept_rows(flce, lambda h, w, t: settings.current().keep_mib)(None, None, None)
+    assert seen == 0
+    before = types.ModuleType("before_kept_rows")
+    monkeypatch.setitem(sys.modules, "before_kept_rows._settings", types.SimpleNamespace(_FIELDS={"chunk_rows": None}))
+
+    def loss(h, w, t):
+        return "recomputed"
+
+    assert bench.without_kept_rows(before, loss) is loss
+    keep0 = {m for m in bench.KEPT_METHODS if m.endswith("-keep0")}
+    assert keep0 and keep0 <= set(bench.BASE_METHODS)
+
+
 def test_per_row_loss_weights_each_sequence(bench):
     """``flce-per-row``: the loss per row weighted by its sequence's advantage over the rows with a
     target, checked in float64 against cross_entropy with a plain loss in place of the kernel's
