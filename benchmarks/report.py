@@ -497,8 +497,21 @@ def before_after_section(runs) -> str:
     return "\n".join(lines).rstrip()
 
 
+TRAINER_NAMES = {"sft": "SFT's", "grpo": "GRPO's", "grpo-coef0": "GRPO's at entropy coefficient 0", "dpo": "DPO's",
+                 "kto": "KTO's", "rloo": "RLOO's", "dft": "DFT's"}
+
+
+def _method_label(method: str) -> str:
+    """A bench.py method in words, for the README's before/after sentence."""
+    if method in (OURS, f"{OURS}-metrics"):
+        return "the loss" + (" with its metrics" if method.endswith("-metrics") else "")
+    kind = method.removeprefix("flce-").removesuffix("-keep0")
+    return f"{TRAINER_NAMES.get(kind, kind)} head" + (" at FLCE_KEEP_MIB=0" if method.endswith("-keep0") else "")
+
+
 def before_after_sentence() -> str:
-    """README's sentence on the latest before/after runs, their numbers from the JSON."""
+    """README's sentence on the latest before/after run, its numbers from the JSON: the methods whose path the
+    change kept, then those it gave kept rows (their time and memory), each group's methods named."""
     runs = before_after_runs()
     if not runs:
         return ""
@@ -506,27 +519,31 @@ def before_after_sentence() -> str:
     changes = _before_after(data)
     if not changes:
         return ""
-    step = [e["step"][1] / e["step"][0] - 1 for e in changes]
-    fwd = [e["fwd"][1] / e["fwd"][0] - 1 for e in changes]
-    mib = [round(e["mib"][1] - e["mib"][0]) for e in changes]
-    spread = [e["spread"] for e in changes]
-    moved = [e for e, m in zip(changes, mib, strict=True) if abs(m) > 16]  # named below
-    small = [m for m in mib if abs(m) <= 16] or [0]
-    memory = f"a step's memory changed by {min(small):+d} to {max(small):+d} MiB"
-    if moved:
-        rows, methods = sorted({e["row"] for e in moved}), sorted({e["method"] for e in moved})
-        deltas = sorted(round(e["mib"][1] - e["mib"][0]) for e in moved)
-        span = f"{deltas[0]:+d}" if deltas[0] == deltas[-1] else f"{deltas[0]:+d} to {deltas[-1]:+d}"
-        kept = all(m.removeprefix("flce-") in TOKEN_KINDS for m in methods)  # their budget's change
-        memory += f", but {', '.join(methods)} on {', '.join(rows)}: {span} MiB{' (the kept rows)' if kept else ''}"
-    return (f"The last change of the package was timed against the build before it "
+    kept = [e for e in changes if e["method"].removeprefix("flce-") in TOKEN_KINDS]  # given kept rows
+    same = [e for e in changes if e not in kept]
+
+    def span(values, spec="+.1%"):
+        low, high = f"{min(values):{spec}}", f"{max(values):{spec}}"
+        return low if low == high else f"{low} to {high}"
+
+    def named(group):
+        labels = list(dict.fromkeys(_method_label(e["method"]) for e in group))
+        return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+
+    text = (f"This build was timed against an earlier one "
             f"({data['base'].get('revision') or data['base']['root']}) in the same process on one "
             f"{data['environment']['gpu'].removeprefix('NVIDIA ')} (`{name}`, {changes[0]['laps']} alternating laps, "
-            f"{len(changes)} rows and methods: the loss with and without metrics, SFT's, GRPO's, DPO's and KTO's "
-            f"heads): the step's median time changed by {min(step):+.1%} to {max(step):+.1%}, the forward's by "
-            f"{min(fwd):+.1%} to {max(fwd):+.1%}, while one method's laps spread by {min(spread):.0%} to "
-            f"{max(spread):.0%}; "
-            f"{memory} (BENCHMARKS.md, \"Before and after\").")
+            f"{len(changes)} rows and methods; one method's laps spread by "
+            f"{span([e['spread'] for e in changes], '.0%')})")
+    if same:
+        text += (f": for {named(same)} the step's median time changed by "
+                 f"{span([e['step'][1] / e['step'][0] - 1 for e in same])} and a step's memory by "
+                 f"{span([round(e['mib'][1] - e['mib'][0]) for e in same], '+d')} MiB")
+    if kept:
+        text += (f"{';' if same else ':'} {named(kept)}, which now keep rows, "
+                 f"{span([e['step'][1] / e['step'][0] - 1 for e in kept])} in time at "
+                 f"{span([round(e['mib'][1] - e['mib'][0]) for e in kept], '+d')} MiB")
+    return text + " (BENCHMARKS.md, \"Before and after\")."
 
 
 COLD_CALLS = {"loss": "the loss", "metrics": "the loss with its metrics", "sft": "SFT's per-token outputs"}
@@ -832,53 +849,74 @@ def _steps_by_date(runs) -> list[tuple[str, dict]]:
             for name, data in sorted(runs, key=lambda item: item[1]["environment"]["date"])]
 
 
-def _kept_run(runs):
-    """(name, {(row, method): result}) of the newest TRL run that timed the kept rows (its
-    ``*-keep0`` methods), or (None, None)."""
-    found = [(name, results) for name, results in _steps_by_date(runs) if any(m.endswith("-keep0") for _, m in results)]
-    return found[-1] if found else (None, None)
+def _kept_rows(runs) -> dict:
+    """{(row, trainer): (run name, TRL's result, ours with kept rows, ours at FLCE_KEEP_MIB=0 or None)}: for
+    each head and trainer the newest run that timed the kept rows (its ``*-keep0`` methods) with TRL's kernel
+    beside them, so that a later run of some rows (a rerun with less noise, say) replaces those rows alone.
+    A row's times are always of one run."""
+    found = {}
+    for name, results in _steps_by_date(runs):
+        if not any(m.endswith("-keep0") for _, m in results):
+            continue
+        for row in sorted({row for row, _ in results}):
+            for kind in TOKEN_KINDS:
+                trl, kept = results.get((row, f"trl-{kind}")), results.get((row, f"flce-{kind}"))
+                if trl is not None and kept is not None:
+                    found[row, kind] = (name, trl, kept, results.get((row, f"flce-{kind}-keep0")))
+    return found
+
+
+def _kept_prediction(kept, none) -> tuple[float | None, float | None]:
+    """(share of the rows with a target that the budget kept, the step time that share predicts: the
+    step with none kept scaled by (6 kept + 8 recomputed) / 8), None where the run lacks either."""
+    share = kept.get("kept_rows")
+    share = None if share is None else share / kept["n_valid"]
+    predicted = None if share is None or none is None else none["step_ms"] * (6 * share + 8 * (1 - share)) / 8
+    return share, predicted
 
 
 def token_trainers_section(runs) -> str:
     """Per head and trainer: TRL's head with TRL's kernel, with ours (kept rows at the default budget) and
-    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them.
-    Where the run recorded the rows kept (``kept_rows``), the time that share predicts: each kept row at
-    6·N·V·H and each recomputed one at 8, scaled from the step with none kept."""
-    name, results = _kept_run(runs)
-    if results is None:
+    with ours at FLCE_KEEP_MIB=0; step ms, ratio to TRL's and peak MiB, from the newest run that has them
+    (``_kept_rows``). Where the run recorded the rows kept (``kept_rows``), the time that share predicts."""
+    found = _kept_rows(runs)
+    if not found:
         return ""
-    gpu = _gpu_of(name)
-    lines = [f"One {gpu}, bf16, N = 8192 tokens, LM-like inputs; step ms (forward + backward) and peak MiB.", "",
+    names = sorted({name for name, *_ in found.values()})
+    gpus = sorted({_gpu_of(name) for name in names})
+    lines = [f"One {' and one '.join(gpus)}, bf16, N = 8192 tokens, LM-like inputs; step ms (forward + backward) and "
+             "peak MiB.", "",
              "| head, ignored | trainer | TRL's kernel | ours, kept rows | ratio | ours, none kept (`FLCE_KEEP_MIB=0`) "
-             "| ratio | rows kept | predicted ms (measured / predicted) | peak MiB: kept / none / TRL |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| ratio | rows kept | predicted ms (measured / predicted) | peak MiB: kept / none / TRL | run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in [f"{h}{suffix}" for suffix in ("", "-masked") for h in TRL_HEADS]:
         for kind in TOKEN_KINDS:
-            trl, kept, none = (results.get((row, f"{head}-{kind}{budget}"))
-                               for head, budget in (("trl", ""), ("flce", ""), ("flce", "-keep0")))
-            if trl is None or kept is None:
+            if (row, kind) not in found:
                 continue
+            name, trl, kept, none = found[row, kind]
             ratio = kept["step_ms"] / trl["step_ms"]
-            share = kept.get("kept_rows")
-            share = None if share is None else share / kept["n_valid"]
-            predicted = None if share is None or none is None else none["step_ms"] * (6 * share + 8 * (1 - share)) / 8
+            share, predicted = _kept_prediction(kept, none)
             # where the budget holds only part of the rows, the target is the time that share predicts
             partial = predicted is not None and share < 1
             missed = kept["step_ms"] > 1.05 * predicted if partial else ratio > TOKEN_TARGET
             cells = [f"{row.split('-')[0]}, {'50%' if row.endswith('-masked') else '10%'}", kind,
-                     f"{trl['step_ms']:.1f}", f"{kept['step_ms']:.1f}", f"{ratio:.3f}{' ✗' if missed else ''}",
+                     f"{trl['step_ms']:.1f}", f"{kept['step_ms']:.1f}",
+                     f"{ratio:.3f}{' ✗' if missed and not partial else ''}",
                      "—" if none is None else f"{none['step_ms']:.1f}",
                      "—" if none is None else f"{none['step_ms'] / trl['step_ms']:.3f}",
                      "—" if share is None else f"{share:.0%}",
-                     "—" if predicted is None else f"{predicted:.1f} ({kept['step_ms'] / predicted:.3f})",
-                     " / ".join("—" if r is None else f"{r['step_peak_mib']:.0f}" for r in (kept, none, trl))]
+                     "—" if predicted is None else
+                     f"{predicted:.1f} ({kept['step_ms'] / predicted:.3f}{' ✗' if missed and partial else ''})",
+                     " / ".join("—" if r is None else f"{r['step_peak_mib']:.0f}" for r in (kept, none, trl)),
+                     f"`{name}`"]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"✗: over {TOKEN_TARGET}× TRL's step, or where the budget keeps only part of the rows, over 1.05× "
-              f"the time that share predicts. Run: `{name}`. The per-token upstream gradients of these "
+              "the time that share predicts. The per-token upstream gradients of these "
               "trainers are known only in the backward; kept rows skip the logits' recompute (6·N·V·H against 8) "
               "within a budget that keeps the peak at or under TRL's head's (docs/design.md, \"Kept rows\"). "
               "Rows kept: the share of the rows with a target that the default budget keeps (— where the run did "
-              "not record it); the predicted time scales the step with none kept by (6·kept + 8·recomputed) / 8."]
+              "not record it); the predicted time scales the step with none kept by (6·kept + 8·recomputed) / 8. "
+              "Each row comes from the newest run that timed it, its three times from that one run."]
     return "\n".join(lines)
 
 
@@ -917,10 +955,10 @@ def grpo_step_sentence() -> str:
 
 def token_summary(runs) -> str:
     """README's paragraph on TRL's head with both kernels: SFT's step and memory (the newest run that
-    timed both heads' SFT), and the per-token trainers' with kept rows (the newest run that timed them),
-    each naming its GPU (BENCHMARKS.md has the tables)."""
-    name, results = _kept_run(runs)
-    if results is None:
+    timed both heads' SFT), and the per-token trainers' with kept rows (``_kept_rows``), each naming its
+    runs and GPU (BENCHMARKS.md has the tables)."""
+    found = _kept_rows(runs)
+    if not found:
         return ""
 
     def ratios(found, kinds, rows, key="step_ms"):
@@ -928,29 +966,37 @@ def token_summary(runs) -> str:
                 if (row, f"flce-{k}") in found and (row, f"trl-{k}") in found]
 
     parts = []
-    with_sft = [(n, found) for n, found in _steps_by_date(runs) if ratios(found, ["sft"], TRL_HEADS)]
+    with_sft = [(n, results) for n, results in _steps_by_date(runs) if ratios(results, ["sft"], TRL_HEADS)]
     if with_sft:
-        sft_name, found = with_sft[-1]
+        sft_name, results = with_sft[-1]
         parts.append(f"Through TRL's head on one {_gpu_of(sft_name)} (bf16, N = 8192, `{sft_name}`), SFT's step "
-                     f"takes {_span(ratios(found, ['sft'], TRL_HEADS))} TRL's time at "
-                     f"{_span(ratios(found, ['sft'], TRL_HEADS, 'step_peak_mib'))} its memory. ")
+                     f"takes {_span(ratios(results, ['sft'], TRL_HEADS))} TRL's time at "
+                     f"{_span(ratios(results, ['sft'], TRL_HEADS, 'step_peak_mib'))} its memory. ")
     labels = {"dpo": "DPO", "kto": "KTO", "rloo": "RLOO", "dft": "SFT's DFT",
               "grpo-coef0": "GRPO at entropy coefficient 0", "grpo": "GRPO with an entropy bonus"}
-    heads = [row for row in ("llama3", "qwen25", "llama3-masked", "gemma2-masked", "qwen25-masked")
-             if (row, "flce-grpo") in results]
-    kinds = [k for k in labels if ratios(results, [k], heads)]
+    whole = [key for key, (_, _, kept, _) in found.items() if kept.get("kept_rows") == kept["n_valid"]]
+    part = [key for key in found if key not in whole]  # (Gemma-2 at 10% ignored)
+    kinds = [k for k in labels if any(kind == k for _, kind in whole)]
+    heads = [row for row in ("llama3", "qwen25", "gemma2", "llama3-masked", "gemma2-masked", "qwen25-masked")
+             if any(r == row for r, _ in whole)]
     where = "; ".join(f"{' and '.join(HEAD_NAMES[h.split('-')[0]] for h in heads if h.endswith('-masked') == masked)} "
                       f"at {'50' if masked else '10'}% ignored" for masked in (False, True)
                       if any(h.endswith("-masked") == masked for h in heads))
-    parts.append(f"On one {_gpu_of(name)} (`{name}`), with kept rows, the steps of "
+    names = sorted({found[key][0] for key in found})
+    gpus = sorted({_gpu_of(name) for name in names})
+
+    def time_ratios(keys):
+        return [found[key][2]["step_ms"] / found[key][1]["step_ms"] for key in keys]
+
+    runs_named = ", ".join(f"`{n}`" for n in names)
+    parts.append(f"On one {' and one '.join(gpus)} ({runs_named}), with kept rows, the steps of "
                  f"{', '.join(labels[k] for k in kinds[:-1])} and {labels[kinds[-1]]} take "
-                 f"{_span(ratios(results, kinds, heads))} TRL's time where the budget keeps every row ({where})")
-    gemma = [results[("gemma2", f"flce-{k}")] for k in kinds if ("gemma2", f"flce-{k}") in results]
-    if gemma:
-        kept = gemma[0].get("kept_rows")
-        room = "part" if kept is None else f"{kept / gemma[0]['n_valid']:.0%}"
-        parts.append(f", and {_span(ratios(results, kinds, ['gemma2']))} on Gemma-2 at 10% ignored, whose "
-                     f"vocabulary leaves room for {room} of its rows")
+                 f"{_span(time_ratios(whole))} TRL's time where the budget keeps every row ({where})")
+    if part:
+        shares = sorted({f"{_kept_prediction(found[key][2], found[key][3])[0]:.0%}" for key in part})
+        measured = [found[key][2]["step_ms"] / _kept_prediction(found[key][2], found[key][3])[1] for key in part]
+        parts.append(f", and {_span(time_ratios(part))} on Gemma-2 at 10% ignored, whose vocabulary leaves room "
+                     f"for {' to '.join(shares)} of its rows: {_span(measured, '.3f')} the time that share predicts")
     parts.append(", each at most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers, with kept rows\"). ")
     return "".join(parts) + grpo_step_sentence()
 

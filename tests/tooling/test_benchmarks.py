@@ -243,8 +243,34 @@ def test_the_kept_table_predicts_a_partial_share_from_the_step_with_none_kept(re
         result("llama3", "flce-dpo", 79.0, kept=4)]}  # 72.0 predicted, but 0.79x TRL's: not marked
     lines = {line.split(" | ")[0]: line for line in report.token_trainers_section([("run.json", run)]).splitlines()
              if line.startswith("| ")}
-    assert lines["| gemma2, 10%"].split(" | ")[4:9] == ["0.781 ✗", "96.0", "0.914", "75%", "78.0 (1.051)"]
+    assert lines["| gemma2, 10%"].split(" | ")[4:9] == ["0.781", "96.0", "0.914", "75%", "78.0 (1.051 ✗)"]
     assert lines["| llama3, 10%"].split(" | ")[4:9] == ["0.790", "96.0", "0.960", "100%", "72.0 (1.097)"]
+
+
+def test_the_kept_table_takes_each_row_from_the_newest_run_that_timed_it(report, monkeypatch):
+    """A later run of one head's rows (a rerun with less noise) replaces that head's rows alone: its
+    three times (TRL's, kept, none kept) all from the later run, the other head's from the earlier."""
+    monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
+
+    def result(row, method, ms, kept=None):
+        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
+                **({} if kept is None else {"kept_rows": kept})}
+
+    early = {"environment": {"date": "2026-01-01"}, "results": [
+        result("gemma2", "trl-dpo", 100.0), result("gemma2", "flce-dpo-keep0", 90.0),
+        result("gemma2", "flce-dpo", 80.0, kept=3),
+        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
+        result("llama3", "flce-dpo", 70.0, kept=4)]}
+    late = {"environment": {"date": "2026-01-02"}, "results": [
+        result("gemma2", "trl-dpo", 110.0), result("gemma2", "flce-dpo-keep0", 88.0),
+        result("gemma2", "flce-dpo", 77.0, kept=3)]}
+    lines = {line.split(" | ")[0]: line.split(" | ") for line in
+             report.token_trainers_section([("late.json", late), ("early.json", early)]).splitlines()
+             if line.startswith("| ")}
+    assert lines["| gemma2, 10%"][2:6] == ["110.0", "77.0", "0.700", "88.0"]
+    assert lines["| gemma2, 10%"][-1] == "`late.json` |"
+    assert lines["| llama3, 10%"][2:6] == ["100.0", "70.0", "0.700", "96.0"]
+    assert lines["| llama3, 10%"][-1] == "`early.json` |"
 
 
 def test_the_hubs_benchmark_runs_and_verifies_every_workload():
@@ -260,3 +286,24 @@ def test_the_hubs_benchmark_runs_and_verifies_every_workload():
     workloads = {f"LossStep.{head}" for head in ("llama3", "gemma2", "qwen25", "llama2")}
     assert set(results) == workloads | {"TokenOutputs.sft", "TokenOutputs.grpo"}
     assert all(timing.verified is True and timing.ref_mean_ms is not None for timing in results.values())
+
+
+def test_the_before_after_sentence_keeps_the_kept_rows_apart(report, monkeypatch):
+    """The README's before/after sentence gives the methods whose path the change kept (here the loss, +1%,
+    and GRPO's head at FLCE_KEEP_MIB=0, -2%) apart from those it gave kept rows (GRPO's head: -25%, +500 MiB)."""
+    def result(method, before, after, mib=(100.0, 100.0)):
+        common = {"row": "llama3", "inputs": "lm", "fwd_ms": 1.0}
+        return [{**common, "method": f"{method}@base", "step_ms": before, "step_ms_laps": [before],
+                 "step_peak_minus_grads_mib": mib[0]},
+                {**common, "method": method, "step_ms": after, "step_ms_laps": [after],
+                 "step_peak_minus_grads_mib": mib[1]}]
+
+    run = {"environment": {"gpu": "NVIDIA GPU", "date": "2026-01-01"}, "base": {"revision": "abc1234"},
+           "results": [*result("fused-linear-ce", 100.0, 101.0), *result("flce-grpo-keep0", 50.0, 49.0),
+                       *result("flce-grpo", 40.0, 30.0, mib=(100.0, 600.0))]}
+    monkeypatch.setattr(report, "before_after_runs", lambda: [("run.json", run)])
+    text = report.before_after_sentence()
+    assert "(abc1234)" in text and "3 rows and methods" in text
+    assert ("for the loss and GRPO's head at FLCE_KEEP_MIB=0 the step's median time changed by -2.0% to +1.0% "
+            "and a step's memory by +0 MiB") in text
+    assert "GRPO's head, which now keep rows, -25.0% in time at +500 MiB" in text
