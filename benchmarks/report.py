@@ -527,8 +527,7 @@ def before_after_sentence() -> str:
         return low if low == high else f"{low} to {high}"
 
     def named(group):
-        labels = list(dict.fromkeys(_method_label(e["method"]) for e in group))
-        return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+        return _listed(list(dict.fromkeys(_method_label(e["method"]) for e in group)))
 
     text = (f"This build was timed against an earlier one "
             f"({data['base'].get('revision') or data['base']['root']}) in the same process on one "
@@ -953,6 +952,11 @@ def grpo_step_sentence() -> str:
             f"{step['ratio_mib']:.2f}× the memory.")
 
 
+def _listed(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def token_summary(runs) -> str:
     """README's paragraph on TRL's head with both kernels: SFT's step and memory (the newest run that
     timed both heads' SFT), and the per-token trainers' with kept rows (``_kept_rows``), each naming its
@@ -961,9 +965,12 @@ def token_summary(runs) -> str:
     if not found:
         return ""
 
-    def ratios(found, kinds, rows, key="step_ms"):
-        return [found[(row, f"flce-{k}")][key] / found[(row, f"trl-{k}")][key] for row in rows for k in kinds
-                if (row, f"flce-{k}") in found and (row, f"trl-{k}") in found]
+    def ratios(results, kinds, rows, key="step_ms"):
+        return [results[(row, f"flce-{k}")][key] / results[(row, f"trl-{k}")][key] for row in rows for k in kinds
+                if (row, f"flce-{k}") in results and (row, f"trl-{k}") in results]
+
+    def head(row):
+        return f"{HEAD_NAMES[row.split('-')[0]]} at {'50' if row.endswith('-masked') else '10'}% ignored"
 
     parts = []
     with_sft = [(n, results) for n, results in _steps_by_date(runs) if ratios(results, ["sft"], TRL_HEADS)]
@@ -974,8 +981,9 @@ def token_summary(runs) -> str:
                      f"{_span(ratios(results, ['sft'], TRL_HEADS, 'step_peak_mib'))} its memory. ")
     labels = {"dpo": "DPO", "kto": "KTO", "rloo": "RLOO", "dft": "SFT's DFT",
               "grpo-coef0": "GRPO at entropy coefficient 0", "grpo": "GRPO with an entropy bonus"}
-    whole = [key for key, (_, _, kept, _) in found.items() if kept.get("kept_rows") == kept["n_valid"]]
-    part = [key for key in found if key not in whole]  # (Gemma-2 at 10% ignored)
+    predictions = {key: _kept_prediction(kept, none) for key, (_, _, kept, none) in found.items()}
+    part = [key for key, (share, _) in predictions.items() if share is not None and share < 1]
+    whole = [key for key in found if key not in part]  # (every row kept, or the share not recorded)
     kinds = [k for k in labels if any(kind == k for _, kind in whole)]
     heads = [row for row in ("llama3", "qwen25", "gemma2", "llama3-masked", "gemma2-masked", "qwen25-masked")
              if any(r == row for r, _ in whole)]
@@ -990,13 +998,14 @@ def token_summary(runs) -> str:
 
     runs_named = ", ".join(f"`{n}`" for n in names)
     parts.append(f"On one {' and one '.join(gpus)} ({runs_named}), with kept rows, the steps of "
-                 f"{', '.join(labels[k] for k in kinds[:-1])} and {labels[kinds[-1]]} take "
+                 f"{_listed([labels[k] for k in kinds])} take "
                  f"{_span(time_ratios(whole))} TRL's time where the budget keeps every row ({where})")
     if part:
-        shares = sorted({f"{_kept_prediction(found[key][2], found[key][3])[0]:.0%}" for key in part})
-        measured = [found[key][2]["step_ms"] / _kept_prediction(found[key][2], found[key][3])[1] for key in part]
-        parts.append(f", and {_span(time_ratios(part))} on Gemma-2 at 10% ignored, whose vocabulary leaves room "
-                     f"for {' to '.join(shares)} of its rows: {_span(measured, '.3f')} the time that share predicts")
+        shares = sorted({f"{predictions[key][0]:.0%}" for key in part})
+        measured = [found[key][2]["step_ms"] / predictions[key][1] for key in part if predictions[key][1]]
+        against = f": {_span(measured, '.3f')} the time that share predicts" if measured else ""
+        parts.append(f", and {_span(time_ratios(part))} on {' and '.join(dict.fromkeys(head(r) for r, _ in part))}, "
+                     f"where the budget keeps {' to '.join(shares)} of the rows{against}")
     parts.append(", each at most TRL's peak memory (BENCHMARKS.md, \"TRL's per-token trainers, with kept rows\"). ")
     return "".join(parts) + grpo_step_sentence()
 

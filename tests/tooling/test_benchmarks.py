@@ -307,3 +307,23 @@ def test_the_before_after_sentence_keeps_the_kept_rows_apart(report, monkeypatch
     assert ("for the loss and GRPO's head at FLCE_KEEP_MIB=0 the step's median time changed by -2.0% to +1.0% "
             "and a step's memory by +0 MiB") in text
     assert "GRPO's head, which now keep rows, -25.0% in time at +500 MiB" in text
+
+
+def test_the_readme_summary_gives_a_partial_share_its_head_and_prediction(report, monkeypatch):
+    """The README's kept-rows paragraph: rows that keep every row as ratios to TRL's step; a head whose
+    budget keeps 3 of 4 rows named with its share and its time against the prediction (82 / 78 = 1.051)."""
+    monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
+    monkeypatch.setattr(report, "grpo_step_sentence", lambda: "")
+
+    def result(row, method, ms, kept=None):
+        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
+                **({} if kept is None else {"kept_rows": kept})}
+
+    run = {"environment": {"date": "2026-01-01"}, "results": [
+        result("gemma2", "trl-dpo", 100.0), result("gemma2", "flce-dpo-keep0", 96.0),
+        result("gemma2", "flce-dpo", 82.0, kept=3),
+        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
+        result("llama3", "flce-dpo", 70.0, kept=4)]}
+    text = report.token_summary([("run.json", run)])
+    assert "the steps of DPO take 0.70× TRL's time where the budget keeps every row (Llama-3 at 10% ignored)" in text
+    assert "and 0.82× on Gemma-2 at 10% ignored, where the budget keeps 75% of the rows: 1.051× the time" in text
