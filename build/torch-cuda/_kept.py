@@ -10,7 +10,10 @@ inputs' dtype, or, where the training step factors its gradient (bf16 and fp32 w
 softcap), the factored sweep's exponentials exp(z - r) against the rows' references, which leave
 the statistics (and so every output) as they are without a buffer; on the PyTorch backend the
 fp32 exponentials. The backward turns them into grad logits in place (``grad_from_kept``, one pass
-over the kept rows) and adds the two products; the other rows with a gradient are recomputed. A
+over the kept rows) and adds the two products; where the upstream reaches the log-probs alone (no
+entropy gradient) the factored exponentials go to the products as they are, diag(r) E' as the
+training step's (``row_factors`` sets each row's target entry), with no pass. The other rows with a
+gradient are recomputed. A
 kept row whose upstream gradients are all 0 (GRPO's tokens of advantage 0 without an entropy
 bonus) gives grad logits exactly 0, so the backward may take it or leave it out; which it does is
 the plan's (``_plan.kept_rows_whole``), from what the last kept backward of the same outputs found
@@ -105,6 +108,7 @@ class KeptPart:
     buffer: torch.Tensor
     state: object
     row_ref: torch.Tensor | None
+    row_max: torch.Tensor | None = None  # [rows] the logits' max, beside the references
 
 
 @dataclass
@@ -153,7 +157,8 @@ def _first_rows(part: KeptPart, count: int) -> KeptPart:
     rows = count - part.start
     cut = [x[:rows] if isinstance(x, torch.Tensor) else x for x in part.state]
     state = type(part.state)(*cut) if hasattr(part.state, "_fields") else tuple(cut)
-    return KeptPart(part.start, count, part.buffer[:rows], state, None if part.row_ref is None else part.row_ref[:rows])
+    return KeptPart(part.start, count, part.buffer[:rows], state, None if part.row_ref is None else part.row_ref[:rows],
+                    None if part.row_max is None else part.row_max[:rows])
 
 
 def first_order(kept: KeptRows, has_gradient: torch.Tensor):
@@ -200,7 +205,8 @@ def _rows_with_gradient(part: KeptPart, local: torch.Tensor) -> KeptPart:
 
     state = [compacted(x) for x in part.state]
     state = type(part.state)(*state) if hasattr(part.state, "_fields") else tuple(state)
-    return KeptPart(part.start, part.start + local.shape[0], compacted(part.buffer), state, compacted(part.row_ref))
+    return KeptPart(part.start, part.start + local.shape[0], compacted(part.buffer), state, compacted(part.row_ref),
+                    compacted(part.row_max))
 
 
 def sweep_part(step, start: int, end: int, hidden_c, targets_c, buffer) -> KeptPart:
@@ -224,7 +230,7 @@ def sweep_part(step, start: int, end: int, hidden_c, targets_c, buffer) -> KeptP
         class_weight=step.local_class_weight, target_logit=target_logit, return_metrics=step.return_metrics,
         logit_sum=step.logit_sum, sum_sq=step.sum_sq)
     step.finish(stats, start, end)
-    return KeptPart(start, end, buffer, state, row_ref)
+    return KeptPart(start, end, buffer, state, row_ref, None if row_ref is None else stats.row_max)
 
 
 def forward_chunks(step) -> "KeptRows":
@@ -343,11 +349,18 @@ def _kept_grads(kept: "KeptRows", backend, row_order: KeptOrder, gradients, hidd
             end = position + rows_with_gradient
             hidden_c, targets_c, lse_c, loss_grad_c, lse_grad_c, entropy_grad_c = (
                 chunk_of(t, row_order, position, end) for t in (hidden, *per_row))
-            grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c,
-                                                 loss_grad_c, lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
-            part = None
-            gradients.add(position, end, hidden_c, grad_logits, weight)
-            grad_logits, position = None, end
+            if part.row_max is not None and lse_grad_c is None and entropy_grad_c is None:
+                # log-probs alone: G = diag(r) E' with the target entries set in E' (one a row), as
+                # the training step's, so the products take the buffer as it is (no pass over it)
+                row_factor, _ = backend.row_factors(part.buffer, part.state, part.row_max, part.row_ref, lse_c,
+                                                    loss_grad_c, targets_c, opts)
+                gradients.add(position, end, hidden_c, part.buffer, weight, row_factor, backend)
+            else:
+                grad_logits = backend.grad_from_kept(part.buffer, part.state, part.row_ref, targets_c, lse_c,
+                                                     loss_grad_c, lse_grad_c, entropy_grad_c, opts, gradients.bias_acc)
+                gradients.add(position, end, hidden_c, grad_logits, weight)
+            part = grad_logits = None
+            position = end
 
 
 def _recomputed_rows(backend, row_order: KeptOrder, start: int, gradients, chunk: int, hidden, weight, bias,

@@ -313,6 +313,8 @@ def _counting_rows(monkeypatch, flce, path) -> dict:
 
     monkeypatch.setattr(backend, "grad_from_kept", counting(backend.grad_from_kept, "kept"))
     monkeypatch.setattr(backend, "grad_logits", counting(backend.grad_logits, "recomputed"))
+    if hasattr(backend, "row_factors"):  # kept exponentials whose products take them as they are
+        monkeypatch.setattr(backend, "row_factors", counting(backend.row_factors, "kept"))
     return rows
 
 
@@ -322,8 +324,10 @@ def _counting_rows(monkeypatch, flce, path) -> dict:
                          ids=["all-whole", "all-counted", "some-whole", "some-counted", "off"])
 @pytest.mark.parametrize("options", [{"temperature": 0.7}, {"temperature": 0.7, "softcap": 3.0, "bias": True}],
                          ids=["temperature", "softcap-bias"])
-def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, options, path):
-    """GRPO-like weights (per-token advantages, a quarter of them 0, and an entropy bonus) on rows of
+@pytest.mark.parametrize("bonus", [True, False], ids=["entropy-bonus", "log-probs-alone"])
+def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, options, bonus, path):
+    """GRPO-like weights (per-token advantages, a quarter of them 0, and an entropy bonus, or the
+    log-probs alone, whose kept exponentials go to the products as they are) on rows of
     every kind: kept by the forward (every row with a target, 11 of them in chunks of 8: a chunk cut
     by the budget, or none), recomputed and ignored. The gradients are within ``_kept``'s bound of
     float64 autograd (elementwise), equal to the recomputing backward's within the dtype's
@@ -336,20 +340,23 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, opti
     hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=12, bias=options.pop("bias", False),
                                                 ignore=0.2, device=path.device)
     tune(chunk_rows=8, keep_mib={"off": 0}.get(budget, 1), keep_rows={"some": 11}.get(budget))
-    speculation, key = submodule(flce, "_kept").SPECULATION, "entropy,log_probs"
+    outputs = ("log_probs", "entropy") if bonus else ("log_probs",)
+    speculation, key = submodule(flce, "_kept").SPECULATION, ",".join(sorted(outputs))
     if whole is not None:
         speculation.found(key, whole)  # what the last kept backward of these outputs found
     gen = torch.Generator().manual_seed(13)
     log_prob_weight = torch.randn(36, generator=gen, dtype=torch.float64)
     log_prob_weight[torch.rand(36, generator=gen) < 0.25] = 0.0
     entropy_weight = torch.where(log_prob_weight != 0, 0.01 * torch.randn(36, generator=gen, dtype=torch.float64), 0.0)
+    entropy_weight = entropy_weight if bonus else torch.zeros_like(entropy_weight)
     log_prob_weight, entropy_weight = log_prob_weight.to(path.device), entropy_weight.to(path.device)
     rows = _counting_rows(monkeypatch, flce, path)
 
     def loss():
-        out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=("log_probs", "entropy"),
-                                          grad_in_forward=False, **options)
-        return (out.log_probs.double() * log_prob_weight).sum() + (out.entropy.double() * entropy_weight).sum()
+        out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=outputs, grad_in_forward=False,
+                                          **options)
+        bonus_term = (out.entropy.double() * entropy_weight).sum() if bonus else 0.0
+        return (out.log_probs.double() * log_prob_weight).sum() + bonus_term
 
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
     got = _grads(loss, tensors)
