@@ -449,8 +449,9 @@ def summary(latest):
 def before_after_runs():
     """[(file, data)] of the newest run that timed an earlier build beside this one (``bench.py --base``):
     an ``h200-*.json`` run with every peer, or a ``before-after-*.json`` run of the two builds (and
-    perhaps torch.compile) alone."""
-    runs = recorded("h200-*.json") + recorded("before-after-*.json") + recorded("trl-h*-*.json")
+    perhaps torch.compile) alone. A ``trl-h*-*.json`` run with a base times one change for design.md's
+    record, not the build against the one the README compares it with."""
+    runs = recorded("h200-*.json") + recorded("before-after-*.json")
     return sorted([(name, data) for name, data in runs if "base" in data],
                   key=lambda item: item[1]["environment"]["date"])[-1:]
 
