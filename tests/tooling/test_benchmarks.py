@@ -226,21 +226,23 @@ def test_a_run_of_laps_shows_the_step_ratio_lap_by_lap(report):
     assert line.startswith(f"| {row} | {9.0 / 10.25:.3f} ✓ (laps 0.876–0.880) |")
 
 
+def _kept_result(row, method, ms, kept=None):
+    """One bench.py result of the kept-rows table: a (head, method) step, with the rows kept if any."""
+    return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
+            **({} if kept is None else {"kept_rows": kept})}
+
+
 def test_the_kept_table_predicts_a_partial_share_from_the_step_with_none_kept(report, monkeypatch):
     """With ``kept_rows`` recorded, a row that keeps 3 of its 4 rows is predicted at the step with
     none kept times (6 * 3/4 + 8 * 1/4) / 8 = 13/16, and marked only past 1.05x that; a row that
     keeps all of its rows (predicted at 6/8) is marked against 0.8x TRL's step only."""
     monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
 
-    def result(row, method, ms, kept=None):
-        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
-                **({} if kept is None else {"kept_rows": kept})}
-
     run = {"environment": {"date": "2026-01-01"}, "results": [
-        result("gemma2", "trl-dpo", 105.0), result("gemma2", "flce-dpo-keep0", 96.0),
-        result("gemma2", "flce-dpo", 82.0, kept=3),  # 0.781x TRL's, but 78.0 predicted: 1.051x of it, marked
-        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
-        result("llama3", "flce-dpo", 79.0, kept=4)]}  # 72.0 predicted, but 0.79x TRL's: not marked
+        _kept_result("gemma2", "trl-dpo", 105.0), _kept_result("gemma2", "flce-dpo-keep0", 96.0),
+        _kept_result("gemma2", "flce-dpo", 82.0, kept=3),  # 0.781x TRL's, but 78.0 predicted: 1.051x of it, marked
+        _kept_result("llama3", "trl-dpo", 100.0), _kept_result("llama3", "flce-dpo-keep0", 96.0),
+        _kept_result("llama3", "flce-dpo", 79.0, kept=4)]}  # 72.0 predicted, but 0.79x TRL's: not marked
     lines = {line.split(" | ")[0]: line for line in report.token_trainers_section([("run.json", run)]).splitlines()
              if line.startswith("| ")}
     assert lines["| gemma2, 10%"].split(" | ")[4:9] == ["0.781", "96.0", "0.914", "75%", "78.0 (1.051 ✗)"]
@@ -252,18 +254,14 @@ def test_the_kept_table_takes_each_row_from_the_newest_run_that_timed_it(report,
     three times (TRL's, kept, none kept) all from the later run, the other head's from the earlier."""
     monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
 
-    def result(row, method, ms, kept=None):
-        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
-                **({} if kept is None else {"kept_rows": kept})}
-
     early = {"environment": {"date": "2026-01-01"}, "results": [
-        result("gemma2", "trl-dpo", 100.0), result("gemma2", "flce-dpo-keep0", 90.0),
-        result("gemma2", "flce-dpo", 80.0, kept=3),
-        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
-        result("llama3", "flce-dpo", 70.0, kept=4)]}
+        _kept_result("gemma2", "trl-dpo", 100.0), _kept_result("gemma2", "flce-dpo-keep0", 90.0),
+        _kept_result("gemma2", "flce-dpo", 80.0, kept=3),
+        _kept_result("llama3", "trl-dpo", 100.0), _kept_result("llama3", "flce-dpo-keep0", 96.0),
+        _kept_result("llama3", "flce-dpo", 70.0, kept=4)]}
     late = {"environment": {"date": "2026-01-02"}, "results": [
-        result("gemma2", "trl-dpo", 110.0), result("gemma2", "flce-dpo-keep0", 88.0),
-        result("gemma2", "flce-dpo", 77.0, kept=3)]}
+        _kept_result("gemma2", "trl-dpo", 110.0), _kept_result("gemma2", "flce-dpo-keep0", 88.0),
+        _kept_result("gemma2", "flce-dpo", 77.0, kept=3)]}
     lines = {line.split(" | ")[0]: line.split(" | ") for line in
              report.token_trainers_section([("late.json", late), ("early.json", early)]).splitlines()
              if line.startswith("| ")}
@@ -315,15 +313,11 @@ def test_the_readme_summary_gives_a_partial_share_its_head_and_prediction(report
     monkeypatch.setattr(report, "_gpu_of", lambda name: "GPU")
     monkeypatch.setattr(report, "grpo_step_sentence", lambda: "")
 
-    def result(row, method, ms, kept=None):
-        return {"row": row, "method": method, "step_ms": ms, "step_peak_mib": 1.0, "n_valid": 4,
-                **({} if kept is None else {"kept_rows": kept})}
-
     run = {"environment": {"date": "2026-01-01"}, "results": [
-        result("gemma2", "trl-dpo", 100.0), result("gemma2", "flce-dpo-keep0", 96.0),
-        result("gemma2", "flce-dpo", 82.0, kept=3),
-        result("llama3", "trl-dpo", 100.0), result("llama3", "flce-dpo-keep0", 96.0),
-        result("llama3", "flce-dpo", 70.0, kept=4)]}
+        _kept_result("gemma2", "trl-dpo", 100.0), _kept_result("gemma2", "flce-dpo-keep0", 96.0),
+        _kept_result("gemma2", "flce-dpo", 82.0, kept=3),
+        _kept_result("llama3", "trl-dpo", 100.0), _kept_result("llama3", "flce-dpo-keep0", 96.0),
+        _kept_result("llama3", "flce-dpo", 70.0, kept=4)]}
     text = report.token_summary([("run.json", run)])
     assert "the steps of DPO take 0.70× TRL's time where the budget keeps every row (Llama-3 at 10% ignored)" in text
     assert "and 0.82× on Gemma-2 at 10% ignored, where the budget keeps 75% of the rows: 1.051× the time" in text
