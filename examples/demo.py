@@ -16,6 +16,7 @@ import argparse
 import copy
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,9 @@ REPO_ID = "qgallouedec/fused-linear-ce"
 # Both must be set before triton or the kernel are imported.
 if "--interpret" in sys.argv[1:]:
     os.environ["TRITON_INTERPRET"] = "1"
-os.environ.setdefault("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
+if "LOCAL_KERNELS" not in os.environ:  # this checkout; its build/ (not tracked) is made from torch-ext/ first
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_variants.py")], check=True)
+    os.environ["LOCAL_KERNELS"] = f"{REPO_ID}={ROOT}"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

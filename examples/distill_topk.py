@@ -20,11 +20,15 @@ tokens sampled from the teacher (``fused_linear_top1_divergence``).
 import argparse
 import copy
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO_ID = "qgallouedec/fused-linear-ce"
-os.environ.setdefault("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
+if "LOCAL_KERNELS" not in os.environ:  # this checkout; its build/ (not tracked) is made from torch-ext/ first
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_variants.py")], check=True)
+    os.environ["LOCAL_KERNELS"] = f"{REPO_ID}={ROOT}"
 
 import torch  # noqa: E402
 from kernels import get_kernel  # noqa: E402

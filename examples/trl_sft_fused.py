@@ -11,6 +11,8 @@ is downloaded) and trains ``SFTTrainer`` a few steps.
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -26,7 +28,9 @@ def load_kernel():
     offline (LOCAL_KERNELS, set here unless already set)."""
     from kernels import get_kernel
 
-    os.environ.setdefault("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
+    if "LOCAL_KERNELS" not in os.environ:  # this checkout; its build/ (not tracked) is made from torch-ext/ first
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_variants.py")], check=True)
+        os.environ["LOCAL_KERNELS"] = f"{REPO_ID}={ROOT}"
     return get_kernel(REPO_ID, version=1, trust_remote_code=True)
 
 

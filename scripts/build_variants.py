@@ -6,6 +6,8 @@ metadata.json: an id unique to the sources and the backend, the upstream and sou
 (``kernels info``), the provenance (this script in kernel-builder's place), and the digest that
 kernels >= 0.19 verifies on load: each file of the variant but metadata.json (and __pycache__),
 by its path relative to the variant, the base64 of its SHA-256 (kernels' ``Digest.hash_variant``).
+build/ is not tracked on main: the tests (tests/conftest.py) and scripts/gpu-check make it before they load
+the checkout, and scripts/release commits it to the Hub's version branch. Only files that differ are written.
 With --check, nothing is written: the exit status says whether build/ matches the sources.
 
     python scripts/build_variants.py [--check]
@@ -105,8 +107,10 @@ def main() -> int:
         if path not in expected:
             (args.build_dir / path).unlink()
     for path, content in expected.items():
-        (args.build_dir / path).parent.mkdir(parents=True, exist_ok=True)
-        (args.build_dir / path).write_bytes(content)
+        target = args.build_dir / path
+        if not target.exists() or target.read_bytes() != content:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
     return 0
 
 

@@ -5,6 +5,8 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path as _FilePath
 from typing import NamedTuple
 
@@ -186,6 +188,10 @@ def env(**values):
 
 
 def pytest_configure(config):
+    # build/ (not tracked) is made from torch-ext/ before anything loads the checkout, once, by the
+    # controlling process: pytest-xdist's workers start after this hook and find it made.
+    if not hasattr(config, "workerinput"):
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_variants.py")], check=True)
     # The interpreter's own noise: numpy deprecations inside triton, and 0 * -inf in lanes of
     # masked vocabulary columns that the kernels then discard with tl.where, exp overflowing
     # to inf where the kernels mean it to (the saturating tanh).

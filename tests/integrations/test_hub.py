@@ -17,7 +17,8 @@ VARIANTS = {"cuda": ROOT / "build" / "torch-cuda", "cpu": ROOT / "build" / "torc
 
 
 def test_build_folder_matches_sources():
-    """build/ is generated from torch-ext/ by scripts/build_variants.py; --check exits 1 on drift."""
+    """build/ (not tracked) is what scripts/build_variants.py makes from torch-ext/, as conftest made it
+    before the tests loaded the checkout; --check exits 1 on drift."""
     result = subprocess.run([sys.executable, "scripts/build_variants.py", "--check"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -32,6 +33,47 @@ def test_build_check_detects_drift(tmp_path):
     (build / "torch-cpu" / "interface.py").write_text("# edited\n")
     result = subprocess.run(check, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1 and "torch-cpu/interface.py" in result.stdout
+
+
+def test_release_commits_the_build_to_the_version_branch(tmp_path):
+    """scripts/release, in a repository of this checkout's sources (build/ untracked): the branch v1
+    (build.toml's version, which get_kernel(..., version=1) resolves) holds HEAD's files plus build/ exactly
+    as build_variants.py makes it, with HEAD as a parent; a second release keeps the first as a parent;
+    main's own tree and index stay without build/."""
+    repo = tmp_path / "repo"
+    for path in ["build.toml", ".gitignore", "scripts/build_variants.py", "scripts/release",
+                 *(str(p.relative_to(ROOT)) for p in (ROOT / "torch-ext" / "fused_linear_ce").iterdir()
+                   if p.suffix in (".py", ".json"))]:
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_bytes((ROOT / path).read_bytes())
+    (repo / "scripts" / "release").chmod(0o755)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_GLOBAL": os.devnull}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    git("add", "-A")
+    git("commit", "-q", "-m", "sources")
+    subprocess.run(["scripts/release"], cwd=repo, env=env, check=True, capture_output=True)
+    first = git("rev-parse", "v1")
+    assert git("rev-parse", "v1^1") == git("rev-parse", "main")
+    released = set(git("ls-tree", "-r", "--name-only", "v1").splitlines())
+    expected = {str(path.relative_to(ROOT)) for path in (ROOT / "build").rglob("*")
+                if path.is_file() and "__pycache__" not in path.parts}
+    assert expected and expected <= released
+    assert released - expected == set(git("ls-tree", "-r", "--name-only", "main").splitlines())
+    for path in sorted(expected):
+        blob = subprocess.run(["git", "show", f"v1:{path}"], cwd=repo, env=env, check=True, capture_output=True).stdout
+        assert blob == (ROOT / path).read_bytes(), path
+    assert not any(line.startswith("build/") for line in git("ls-files").splitlines())
+    (repo / "NOTE").write_text("a change\n")
+    git("add", "NOTE")
+    git("commit", "-q", "-m", "a change")
+    subprocess.run(["scripts/release"], cwd=repo, env=env, check=True, capture_output=True)
+    assert git("rev-parse", "v1^1") == git("rev-parse", "main") and git("rev-parse", "v1^2") == first
 
 
 @pytest.mark.parametrize("backend", list(VARIANTS))
