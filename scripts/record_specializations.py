@@ -14,8 +14,9 @@ parameters).
 
 Each entry then gets its compile time (``compile_s``: Triton's compile for the recorded GPU, no
 GPU needed, one entry after another into an empty cache), by which ``_precompile`` shares the
-entries out among its children; ``--times-only`` re-times the table as it stands (any machine with
-the table's Triton).
+entries out among its children, and that compile's tensor descriptors' metadata
+(``tensordesc_meta``), from which a child builds the entry's launcher without compiling it;
+``--times-only`` re-times the table as it stands (any machine with the table's Triton).
 
     python scripts/record_specializations.py [--out PATH] [--times-only]
 """
@@ -118,7 +119,8 @@ def _cpu_name() -> str:
 def time_compiles(gpu: str, table: dict) -> None:
     """Sets each entry's ``compile_s``: Triton's compile of its specialisation for ``gpu``
     ("sm_90"), once per distinct entry, one after another in this process, into an empty cache
-    (after one compile into another, so that no entry pays the compiler's loading)."""
+    (after one compile into another, so that no entry pays the compiler's loading); and its
+    ``tensordesc_meta``, the compile's metadata that the launcher's source is made from."""
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -132,27 +134,29 @@ def time_compiles(gpu: str, table: dict) -> None:
     backend = triton.compiler.make_backend(target)
     distinct = {(e["module"], e["kernel"], e["key"]): e for entries in table["kinds"].values() for e in entries}
 
-    def compile_entry(entry: dict) -> float:
+    def compile_entry(entry: dict) -> tuple[float, list | None]:
         kernel = getattr(importlib.import_module(f"fused_linear_ce.{entry['module']}"), entry["kernel"])
         # (Triton sets a kernel's source class at its first launch on a device; none here)
         kernel.ASTSource = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
         options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
                                          for k, v in entry["data"]["options"].items()})
         start = time.perf_counter()
-        triton.compile(_precompile._source(kernel, entry["data"]), target=target, options=options.__dict__)
-        return time.perf_counter() - start
+        compiled = triton.compile(_precompile._source(kernel, entry["data"]), target=target, options=options.__dict__)
+        return time.perf_counter() - start, compiled.metadata.tensordesc_meta
 
-    seconds = {}
+    compiles = {}
     for cache in ("loading", "timed"):
         with tempfile.TemporaryDirectory() as folder:
             os.environ["TRITON_CACHE_DIR"] = folder
             for key, entry in (list(distinct.items())[:1] if cache == "loading" else distinct.items()):
-                seconds[key] = compile_entry(entry)
+                compiles[key] = compile_entry(entry)
     for entries in table["kinds"].values():
         for entry in entries:
-            entry["compile_s"] = round(seconds[entry["module"], entry["kernel"], entry["key"]], 3)
+            seconds, tensordesc_meta = compiles[entry["module"], entry["kernel"], entry["key"]]
+            entry["compile_s"], entry["tensordesc_meta"] = round(seconds, 3), tensordesc_meta
     table["compile_host"] = _cpu_name()
-    print(f"{gpu}: {len(distinct)} compiles, {sum(seconds.values()):.1f} s on {table['compile_host']}", flush=True)
+    total = sum(seconds for seconds, _ in compiles.values())
+    print(f"{gpu}: {len(distinct)} compiles, {total:.1f} s on {table['compile_host']}", flush=True)
 
 
 def main() -> None:

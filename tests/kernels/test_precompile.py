@@ -69,6 +69,9 @@ def test_recorded_specializations_match_the_kernels():
                 assert entry["kernel"] in parameters, (gpu, kind, entry["kernel"])
                 assert list(entry["data"]["signature"]) == parameters[entry["kernel"]], (gpu, kind, entry["kernel"])
                 assert entry["compile_s"] > 0, (gpu, kind, entry["kernel"])  # the warm-up's shares
+                # the launcher's facts: a descriptor's metadata for each tensor-descriptor argument
+                descriptors = [t for t in entry["data"]["signature"].values() if str(t).startswith("tensordesc")]
+                assert len(entry["tensordesc_meta"]) == len(descriptors), (gpu, kind, entry["kernel"])
                 twins = [e for e in entries if (e["kernel"], e["key"]) == (entry["kernel"], entry["key"])]
                 assert len(twins) == 1, (gpu, kind, entry["kernel"], "twice")
 
@@ -125,31 +128,58 @@ def test_first_call_compiles_in_the_warm_up_only(kind):
     assert compiled["warm-up"] > 0 and compiled["launch"] == 0, compiled
 
 
-def test_split_balances_the_work(flce):
-    """The warm-up's groups (one forked child each), shared out by recorded compile time: every
-    entry in exactly one group, and the children's longest work (compiles plus a launcher build
-    each) that of the longest entry alone, the least possible here, where a count of parameters
-    (the Gluon sweep's 13 against the Triton sweep's 28) would pair the longest compile with
-    another entry."""
-    precompile = submodule(flce, "_precompile")
-    seconds = [1.7, 1.3, 1.0, 0.4, 0.1, 0.1]
-    pending = [(f"kernel{i}", {}, s) for i, s in enumerate(seconds)]
-    groups = precompile._split(pending, 4)
-    names = sorted(name for group in groups for name, _, _ in group)
-    assert names == sorted(name for name, _, _ in pending)
-    launcher = precompile._LAUNCHER_S
-    longest = max(sum(s + launcher for _, _, s in group) for group in groups)
-    assert longest == pytest.approx(max(seconds) + launcher)
-    assert [group for group in groups if pending[0] in group] == [[pending[0]]]
-
-
 class _StubKernel:
-    """What ``_fork_and_compile`` reads of a kernel before forking: its hashes."""
+    """What the warm-up reads of a kernel in this process: its compiled keys and its hashes."""
 
     cache_key = "source hash"
 
     def __init__(self):
-        self.device_caches = {0: (None, None, None, types.SimpleNamespace(hash=lambda: "backend hash"), None)}
+        self.device_caches = {0: ({}, None, None, types.SimpleNamespace(hash=lambda: "backend hash"), None)}
+
+
+def test_split_balances_the_work(flce):
+    """The warm-up's groups (one forked child each), shared out by expected seconds (compiles as
+    recorded, launcher builds as gcc's): every job in exactly one group, and the children's longest
+    work that of the longest job alone, the least possible here, where a count of parameters (the
+    Gluon sweep's 13 against the Triton sweep's 28) would pair the longest compile with another
+    job, and a launcher built after its compile would add a gcc run to it."""
+    precompile = submodule(flce, "_precompile")
+    seconds = [1.7, 1.3, 1.0, 0.4, 0.1, 0.1]
+    jobs = [precompile._Job(precompile._compile, f"kernel{i}", {}, s) for i, s in enumerate(seconds)]
+    jobs += [precompile._Job(precompile._build_launcher, f"kernel{i}", {}, precompile._LAUNCHER_S)
+             for i in range(len(seconds))]
+    groups = precompile._split(jobs, 4)
+    shared = [job for group in groups for job in group]
+    assert len(shared) == len(jobs) and all(job in shared for job in jobs)
+    assert max(sum(job.seconds for job in group) for group in groups) == pytest.approx(max(seconds))
+    assert [group for group in groups if jobs[0] in group] == [[jobs[0]]]
+
+
+def test_each_distinct_launcher_is_built_once_apart_from_its_compile(flce, monkeypatch):
+    """The jobs of a kind: a compile for each entry that this process has not compiled, and a
+    launcher build for each distinct launcher (argument types and descriptors' metadata; two
+    entries that differ only in a constexpr share one), none for an entry already compiled."""
+    precompile = submodule(flce, "_precompile")
+    gluon, rows, done = _StubKernel(), _StubKernel(), _StubKernel()
+    done.device_caches[0][0]["compiled key"] = object()
+    kernels = {"gluon": gluon, "rows": rows, "done": done}
+    monkeypatch.setattr(precompile, "_kernel", lambda module, name: kernels[name])
+    descriptors = [{"swizzle": 3, "elem_size": 2, "block_size": [64, 64]}]
+
+    def entry(kernel, key, signature, tensordesc_meta, compile_s):
+        return {"module": "m", "kernel": kernel, "key": key, "data": {"signature": signature},
+                "tensordesc_meta": tensordesc_meta, "compile_s": compile_s}
+
+    entries = [entry("gluon", "store", {"h": "tensordesc<bf16[64, 64]>", "STORE": "constexpr"}, descriptors, 1.6),
+               entry("gluon", "stats", {"h": "tensordesc<bf16[64, 64]>", "STORE": "constexpr"}, descriptors, 1.1),
+               entry("rows", "rows", {"x": "*fp32", "n": "i32"}, [], 0.2),
+               entry("done", "compiled key", {"x": "*fp32"}, [], 0.1)]
+    jobs = precompile._pending("loss", 0, {"kinds": {"loss": entries}})
+    compiles = [(job.kernel, job.entry["key"], job.seconds) for job in jobs if job.build is precompile._compile]
+    launchers = [(job.kernel, job.seconds) for job in jobs if job.build is precompile._build_launcher]
+    assert compiles == [(gluon, "store", 1.6), (gluon, "stats", 1.1), (rows, "rows", 0.2)]
+    assert launchers == [(gluon, precompile._LAUNCHER_S), (rows, precompile._LAUNCHER_S)]
+    assert len(jobs) == 5
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the warm-up forks (POSIX)")
@@ -160,19 +190,20 @@ def test_children_compile_every_group_and_are_killed_past_the_deadline(flce, tmp
     precompile = submodule(flce, "_precompile")
 
     def compile_into_cache(work, device):
-        for _, data, _ in work:
-            if data["hang"]:
+        for job in work:
+            if job.entry["hang"]:
                 time.sleep(120)
-            (tmp_path / data["name"]).write_text(str(os.getpid()))
+            (tmp_path / job.entry["name"]).write_text(str(os.getpid()))
 
     monkeypatch.setattr(precompile, "_compile_into_cache", compile_into_cache)
-    pending = [(_StubKernel(), {"name": f"entry{i}", "hang": False}, 0.1) for i in range(5)]
+    pending = [precompile._Job(precompile._compile, _StubKernel(), {"name": f"entry{i}", "hang": False}, 0.1)
+               for i in range(5)]
     assert precompile._fork_and_compile(pending, 0) == min(5, precompile._cpus())
     written = {path.name: path.read_text() for path in tmp_path.iterdir()}
     assert sorted(written) == [f"entry{i}" for i in range(5)]
     assert str(os.getpid()) not in written.values()
     start = time.monotonic()
-    hung = [(_StubKernel(), {"name": "hung", "hang": True}, 0.1)]
+    hung = [precompile._Job(precompile._compile, _StubKernel(), {"name": "hung", "hang": True}, 0.1)]
     assert precompile._fork_and_compile(hung, 0, timeout_s=0.5) == 0
     assert time.monotonic() - start < 10 and not (tmp_path / "hung").exists()
 

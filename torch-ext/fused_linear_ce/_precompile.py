@@ -16,7 +16,10 @@ specialisation, so a compiled entry serves exactly the launches that would have 
 one that no launch asks for costs a child's work and nothing else. A call whose arguments
 specialise otherwise (another GPU, Triton or dtype, a vocabulary that is not a multiple of 16)
 compiles what it lacks at its launch, as without this module. Each entry carries its compile
-time (``compile_s``, timed by the recording script), by which the children's work is shared out.
+time (``compile_s``, timed by the recording script), by which the children's work is shared out, and
+its tensor descriptors' metadata (``tensordesc_meta``, from the same compile), from which another
+child builds its launcher meanwhile: the launcher is made from the argument types and that metadata
+alone, and building it after the longest compile would lengthen the longest child by a gcc run.
 """
 
 import contextlib
@@ -27,8 +30,11 @@ import os
 import signal
 import threading
 import time
+import types
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -75,17 +81,40 @@ def _table(device: torch.device) -> dict | None:
     return table
 
 
-def _pending(kind: str, device: int, table: dict) -> list[tuple]:
-    """(kernel, specialisation data, compile seconds) of ``kind`` that this process has not compiled."""
-    pending = []
+class _Job(NamedTuple):
+    """A child's piece of work: ``build`` (``_compile`` or ``_build_launcher``) of one recorded
+    entry of ``kernel``, and its expected seconds."""
+
+    build: Callable[[Any, dict, int], None]
+    kernel: Any
+    entry: dict
+    seconds: float
+
+
+# A launcher's build: gcc, about the same time for every kernel (0.13-0.20 s, 0.15 on average, for
+# the loss's 20 launchers where the table's compiles were timed).
+_LAUNCHER_S = 0.15
+
+
+def _pending(kind: str, device: int, table: dict) -> list[_Job]:
+    """The compiles of ``kind``'s entries that this process has not compiled, and the builds of
+    their launchers, one for each distinct launcher."""
+    jobs, launchers = [], set()
     for entry in table["kinds"].get(kind, ()):
         try:
             kernel = _kernel(entry["module"], entry["kernel"])
         except (ImportError, AttributeError):  # no Gluon here, or a kernel moved or renamed since the recording
             continue
-        if entry["key"] not in kernel.device_caches[device][0]:
-            pending.append((kernel, entry["data"], entry["compile_s"]))
-    return pending
+        if entry["key"] in kernel.device_caches[device][0]:
+            continue
+        jobs.append(_Job(_compile, kernel, entry, entry["compile_s"]))
+        # Triton makes a launcher's source from the argument types and the descriptors' metadata:
+        # entries that agree in both (constexpr values aside) share one.
+        launcher = json.dumps([list(entry["data"]["signature"].values()), entry["tensordesc_meta"]])
+        if launcher not in launchers:
+            launchers.add(launcher)
+            jobs.append(_Job(_build_launcher, kernel, entry, _LAUNCHER_S))
+    return jobs
 
 
 def _source(kernel, data: dict):
@@ -99,32 +128,40 @@ def _source(kernel, data: dict):
     return kernel.ASTSource(kernel, signature, constexprs, attrs)
 
 
-def _compile_into_cache(work: list[tuple], device: int) -> None:
-    """In a forked child: compiles each entry of ``work`` (kernel, data, seconds) and builds its
-    launcher, into Triton's cache."""
-    for kernel, data, _ in work:
-        _, _, target, backend, _ = kernel.device_caches[device]
-        options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
-                                         for k, v in data["options"].items()})
-        compiled = kernel.compile(_source(kernel, data), target=target, options=options.__dict__)
-        driver.active.launcher_cls(compiled.src, compiled.metadata)
+def _compile(kernel, entry: dict, device: int) -> None:
+    """In a forked child: Triton's compile of one recorded entry, into its cache."""
+    data = entry["data"]
+    _, _, target, backend, _ = kernel.device_caches[device]
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    kernel.compile(_source(kernel, data), target=target, options=options.__dict__)
 
 
-# A child builds each kernel's C launcher after compiling it: gcc, about the same time for every
-# kernel (0.34 s where the table's compiles were timed).
-_LAUNCHER_S = 0.35
+def _build_launcher(kernel, entry: dict, device: int) -> None:
+    """In a forked child: the C launcher of one recorded entry, built by gcc into Triton's cache
+    without its compile. Only ``tensordesc_meta`` of the compile's metadata enters the launcher's
+    source; the other fields that the launcher's constructor reads set attributes of an object
+    that is dropped here."""
+    facts = types.SimpleNamespace(tensordesc_meta=entry["tensordesc_meta"], num_ctas=1, global_scratch_size=0,
+                                  global_scratch_align=1, profile_scratch_size=0, profile_scratch_align=1,
+                                  launch_cooperative_grid=False, launch_pdl=False)
+    driver.active.launcher_cls(_source(kernel, entry["data"]), facts)
 
 
-def _split(pending: list[tuple], parts: int) -> list[list[tuple]]:
-    """``pending`` in ``parts`` groups of about equal work (the recorded compile time and the
-    launcher's build), the longest first, each to the group with the least so far: the children
-    finish together, none held up by a second long compile."""
-    groups: list[list[tuple]] = [[] for _ in range(parts)]
+def _compile_into_cache(work: list[_Job], device: int) -> None:
+    """In a forked child: each job of ``work``, into Triton's cache."""
+    for job in work:
+        job.build(job.kernel, job.entry, device)
+
+
+def _split(jobs: list[_Job], parts: int) -> list[list[_Job]]:
+    """``jobs`` in ``parts`` groups of about equal seconds, the longest first, each to the group
+    with the least so far: the children finish together, none held up by a second long job."""
+    groups: list[list[_Job]] = [[] for _ in range(parts)]
     work = [0.0] * parts
-    for item in sorted(pending, key=lambda item: -item[2]):
+    for job in sorted(jobs, key=lambda job: -job.seconds):
         least = work.index(min(work))
-        groups[least].append(item)
-        work[least] += item[2] + _LAUNCHER_S
+        groups[least].append(job)
+        work[least] += job.seconds
     return [group for group in groups if group]
 
 
@@ -136,13 +173,13 @@ def _cpus() -> int:
     return max(1, cpus // int(ranks)) if ranks.isdigit() and int(ranks) > 0 else cpus
 
 
-def _fork_and_compile(pending: list[tuple], device: int, timeout_s: float = 60.0) -> int:
-    """Compiles ``pending`` in forked children, one group each; returns how many of them
+def _fork_and_compile(pending: list[_Job], device: int, timeout_s: float = 60.0) -> int:
+    """Runs ``pending`` in forked children, one group each; returns how many of them
     succeeded. Past ``timeout_s`` (a compile takes seconds) the children left are killed: their
     kernels then compile at their launch."""
-    for kernel, _, _ in pending:  # hashes that every child would compute, computed once here
-        _ = kernel.cache_key
-        kernel.device_caches[device][3].hash()
+    for job in pending:  # hashes that every child would compute, computed once here
+        _ = job.kernel.cache_key
+        job.kernel.device_caches[device][3].hash()
     from triton.runtime.cache import triton_key  # (a table is used only with the Triton it names)
 
     if _triton_key_thread is not None:
