@@ -138,8 +138,7 @@ def time_compiles(gpu: str, table: dict) -> None:
         kernel = getattr(importlib.import_module(f"fused_linear_ce.{entry['module']}"), entry["kernel"])
         # (Triton sets a kernel's source class at its first launch on a device; none here)
         kernel.ASTSource = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-        options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v
-                                         for k, v in entry["data"]["options"].items()})
+        options = _precompile._options(backend, entry["data"])
         start = time.perf_counter()
         compiled = triton.compile(_precompile._source(kernel, entry["data"]), target=target, options=options.__dict__)
         return time.perf_counter() - start, compiled.metadata.tensordesc_meta

@@ -91,8 +91,8 @@ class _Job(NamedTuple):
     seconds: float
 
 
-# A launcher's build: gcc, about the same time for every kernel (0.13-0.20 s, 0.15 on average, for
-# the loss's 20 launchers where the table's compiles were timed).
+# A launcher's build: gcc, about the same time for every kernel, as timed where the table's compiles
+# were (docs/design.md, "The cold start").
 _LAUNCHER_S = 0.15
 
 
@@ -128,12 +128,16 @@ def _source(kernel, data: dict):
     return kernel.ASTSource(kernel, signature, constexprs, attrs)
 
 
+def _options(backend, data: dict):
+    """``backend``'s compile options for one recorded specialisation (the options its launch set)."""
+    return backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+
+
 def _compile(kernel, entry: dict, device: int) -> None:
     """In a forked child: Triton's compile of one recorded entry, into its cache."""
-    data = entry["data"]
     _, _, target, backend, _ = kernel.device_caches[device]
-    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    kernel.compile(_source(kernel, data), target=target, options=options.__dict__)
+    options = _options(backend, entry["data"])
+    kernel.compile(_source(kernel, entry["data"]), target=target, options=options.__dict__)
 
 
 def _build_launcher(kernel, entry: dict, device: int) -> None:
