@@ -385,6 +385,68 @@ def test_kept_rows_gradients(flce, monkeypatch, tune, dtype, budget, whole, opti
         assert_rel(g, e, tolerance(dtype, "grad"), f"{name} against the recomputing backward")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", [{"bias": True}, {"softcap": 3.0}, {}], ids=["bias", "softcap", "plain"])
+def test_mean_logits_leave_the_kept_rows_their_form(flce, monkeypatch, tune, dtype, options, path):
+    """DPO's outputs (log-probs, entropy, mean_logits and is_top1; the upstream per sequence on the
+    log-probs alone), every row kept. Without a softcap the mean logit is affine in the row
+    (``_ops.affine_mean_logits``), so the sweep sums no logits and the kept rows take the form they
+    take without mean_logits: on the kernels without a bias, the factored exponentials, which the
+    products take as they are (``row_factors``, no pass over the buffer), else ``z - tile_max`` or
+    the PyTorch path's exponentials, made into grad logits (``grad_from_kept``); with a softcap the
+    sweep sums them. mean_logits matches float64's and the gradients the recomputing backward's."""
+    options = dict(options)
+    hidden, weight, targets, bias = make_inputs(36, 32, 97, dtype, seed=31, bias=options.pop("bias", False),
+                                                ignore=0.2, device=path.device)
+    tune(chunk_rows=8, keep_mib=1)
+    backend = submodule(flce, "_triton_backend" if path.name == "kernels" else "_torch_backend")
+    calls = {"logit_sum": [], "row_factors": 0, "grad_from_kept": 0}
+    row_stats, grad_from_kept = backend.row_stats, backend.grad_from_kept
+
+    def stats(*args, **kwargs):
+        calls["logit_sum"].append(kwargs.get("logit_sum", False))
+        return row_stats(*args, **kwargs)
+
+    def from_kept(*args, **kwargs):
+        calls["grad_from_kept"] += 1
+        return grad_from_kept(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "row_stats", stats)
+    monkeypatch.setattr(backend, "grad_from_kept", from_kept)
+    if hasattr(backend, "row_factors"):
+        row_factors = backend.row_factors
+
+        def factors(*args, **kwargs):
+            calls["row_factors"] += 1
+            return row_factors(*args, **kwargs)
+
+        monkeypatch.setattr(backend, "row_factors", factors)
+    sequence_weight = torch.randn(6, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+    log_prob_weight = sequence_weight.repeat_interleave(6).to(path.device)
+    tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    mean_logits = []
+
+    def loss():
+        out = flce.fused_linear_log_probs(hidden, weight, targets, bias, outputs=outputs, grad_in_forward=False,
+                                          temperature=0.7, **options)
+        mean_logits.append(out.mean_logits)
+        return (out.log_probs.double() * log_prob_weight).sum()
+
+    got = _grads(loss, tensors)
+    softcap = "softcap" in options
+    assert calls["logit_sum"] and set(calls["logit_sum"]) == {softcap}, calls["logit_sum"]
+    factored = path.name == "kernels" and not softcap and bias is None and dtype != torch.float16
+    assert (calls["row_factors"] > 0, calls["grad_from_kept"] > 0) == (factored, not factored), calls
+    expected = reference(hidden.detach(), weight.detach(), targets, None if bias is None else bias.detach(),
+                         temperature=0.7, **options)["mean_logits"]
+    assert_rel(mean_logits[0], expected, tolerance(dtype, "loss"), "mean_logits", floor=1.0)
+    tune(keep_mib=0)
+    recomputed = _grads(loss, tensors)
+    for name, g, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got, recomputed, strict=False):
+        assert_rel(g, e, tolerance(dtype, "grad"), f"{name} against the recomputing backward")
+
+
 @pytest.mark.parametrize("whole", [True, False], ids=["whole", "counted"])
 def test_no_kept_buffer_lives_beside_a_recomputed_chunk(flce, monkeypatch, tune, whole, path):
     """The default budget gives the kept rows all the room under TRL's head's peak, whether or not

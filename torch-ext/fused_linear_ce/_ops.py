@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _chunked, _plan
+from ._gradients import _MM_OUT_DTYPE
 from ._options import Gradients, LossOutputs, Request, TokenOutputs, accumulation_dtype, returns
 from ._row_algebra import recomputed_row_grads, row_weights
 from ._row_order import copy_to_host
@@ -642,3 +643,25 @@ def token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
     if _is_traced(hidden):
         return TokenOutputs(*token_forward_op(hidden, weight, targets, bias, *request.encode()))
     return TokenOutputs(*_EagerTokenForward.apply(hidden, weight, targets, bias, request))
+
+
+def affine_mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, opts, valid: Tensor) -> Tensor:
+    """Each row's mean logit [N] (fp32, fp64 for fp64 inputs) of ``hidden`` [N, H] against ``weight``
+    [V, H] (and ``bias`` [V]), 0 where not ``valid`` [N], for logits without a softcap: their mean is
+    affine in the row, s (h_i . sum_j w_j + sum_j b_j) / V, one read of the weight instead of a sum
+    in the sweep (``_plan.mean_logits_in_sweep``). 16-bit rows on CUDA meet the fp32 column sum as
+    two 16-bit parts (its rounding and the rest: 16 significant bits of bf16's, 22 of fp16's) in
+    one fp32-accumulated product, without an fp32 copy of the rows. No gradient, as the output's."""
+    acc = accumulation_dtype(hidden.dtype)
+    with torch.no_grad(), _no_autocast(hidden):
+        column_sum = weight.sum(0, dtype=acc)
+        if hidden.is_cuda and hidden.dtype != acc and _MM_OUT_DTYPE:
+            high = column_sum.to(hidden.dtype)
+            parts = torch.stack((high, (column_sum - high).to(hidden.dtype)), 1)
+            row_sum = torch.mm(hidden, parts, out_dtype=acc).sum(1)
+        else:
+            row_sum = hidden.to(acc) @ column_sum
+        if bias is not None:
+            row_sum += bias.sum(dtype=acc)
+        mean = row_sum * (opts.logit_scale * opts.inv_vocab_size(weight.shape[0]))
+        return torch.where(valid, mean, torch.zeros((), dtype=acc, device=mean.device))

@@ -127,11 +127,7 @@ def tile_width(dtype: torch.dtype, interpreting: bool) -> int:
     block_v = tuning().block_v
     if block_v is not None:
         return block_v
-    if interpreting:
-        return 32
-    if dtype == torch.float64:
-        return 64
-    return 128 if dtype == torch.float32 else 256
+    return 32 if interpreting else {torch.float64: 64, torch.float32: 128}.get(dtype, 256)
 
 
 def logit_tile_candidates(block_v: int, element_size: int) -> list[tuple]:
@@ -677,6 +673,13 @@ def token_grads_in_forward(needs, allowed: bool, grad_in_forward: bool | None, s
     in_forward = any(needs) and allowed and (speculation.speculates(key) if grad_in_forward is None
                                              else bool(grad_in_forward))
     return tuple(bool(in_forward and n) for n in needs)
+
+
+def mean_logits_in_sweep(opts: LossOptions) -> bool:
+    """Whether the sweep sums each row's logits for ``mean_logits``: with a softcap only, as
+    otherwise the mean is affine in the row (``_ops.affine_mean_logits``), and a sweep without the
+    sum leaves kept rows the factored exponentials (docs/design.md, "Kept rows")."""
+    return opts.has_softcap
 
 
 def sparse_grads_in_forward(needs, reduction: str, add_tail: bool, dtype: torch.dtype, n_rows: int,

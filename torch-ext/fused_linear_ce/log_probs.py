@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from ._chunked import backend_for
-from ._ops import TOKEN_SPECULATION, token_forward
+from ._ops import TOKEN_SPECULATION, affine_mean_logits, token_forward
 from ._options import Request
-from ._plan import token_grads_in_forward
+from ._plan import mean_logits_in_sweep, token_grads_in_forward
 from ._validation import checked_token_arguments, finish_target_check, start_target_check
 
 TOKEN_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -100,7 +100,8 @@ def fused_linear_log_probs(
         ignore_index: target value of rows without outputs (all 0 there, and no gradient).
         outputs: which of ``log_probs`` (always computed), ``entropy``, ``log_sum_sq_probs``,
             ``mean_logits`` and ``is_top1`` to return; the others are None. ``entropy`` costs a
-            multiply-add a logit, ``log_sum_sq_probs`` and ``mean_logits`` one more each.
+            multiply-add a logit, ``log_sum_sq_probs`` one more, ``mean_logits`` one more with a
+            softcap and otherwise one read of the weight (the mean is then affine in the row).
         grad_in_forward: whether the forward computes, in its sweep, the gradients of
             ``-log_probs.sum() / n`` over the n rows with a target (SFT's loss; exact for any equal
             weights, and recomputed if the backward finds them unequal or an entropy gradient).
@@ -131,7 +132,8 @@ def fused_linear_log_probs(
     backend_for(hidden.device).precompile("tokens:" + key, hidden.device)
     target_check = start_target_check(targets_1d, vocab_size, options.ignore_index)
     metrics = "entropy" in outputs or "is_top1" in outputs
-    logit_sum, sum_sq = "mean_logits" in outputs, "log_sum_sq_probs" in outputs
+    sum_sq = "log_sum_sq_probs" in outputs
+    logit_sum = "mean_logits" in outputs and mean_logits_in_sweep(options)
     needs = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     # Gradients in the sweep only for the statistics the factored sweep keeps (not the two sums).
     in_forward = token_grads_in_forward(needs, not (logit_sum or sum_sq) and _speculation_allowed(hidden),
@@ -140,6 +142,8 @@ def fused_linear_log_probs(
     out = token_forward(hidden_2d, weight, targets_1d, None if bias is None else bias.contiguous(), request)
     log_probs, entropy, is_top1, mean_logits, log_sum_sq = (out.log_probs, out.entropy, out.is_top1,
                                                             out.mean_logits, out.log_sum_sq)
+    if "mean_logits" in outputs and not logit_sum:
+        mean_logits = affine_mean_logits(hidden_2d, weight, bias, options, targets_1d != options.ignore_index)
     finish_target_check(target_check)
     per_token = dict(log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits,
                      is_top1=is_top1)

@@ -45,9 +45,10 @@ from ._ops import (
     _no_autocast,
     _scale_in_place,
     _token_outputs,
+    affine_mean_logits,
 )
 from ._options import Gradients, LossOptions, Request, accumulation_dtype, returns
-from ._plan import sparse_grads_in_forward
+from ._plan import mean_logits_in_sweep, sparse_grads_in_forward
 from ._sparse_step import SparseLoss, add_sparse_terms, first_ids, log_probs_at, logit_chain, picked_logits
 from ._validation import (
     check_reduction,
@@ -362,11 +363,15 @@ def sparse_token_outputs(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Tens
                                                                    logit_scale, softcap, ignore_index)
     key = ",".join(sorted(set(outputs) | {"log_probs"}))
     backend_for(hidden_2d.device).precompile("tokens:" + key, hidden_2d.device)
-    request = Request(opts, "none", "entropy" in outputs, outputs=key, logit_sum="mean_logits" in outputs,
+    logit_sum = "mean_logits" in outputs and mean_logits_in_sweep(opts)
+    request = Request(opts, "none", "entropy" in outputs, outputs=key, logit_sum=logit_sum,
                       sum_sq="log_sum_sq_probs" in outputs)
     log_probs, _, entropy, mean_logits, log_sum_sq, _ = _checked_ids(ids_2d, weight.shape[0], opts, lambda: (
         sparse_forward_op(hidden_2d, weight, ids_2d, bias, *request.encode()) if _is_traced(hidden_2d)
         else _EagerSparseForward.apply(hidden_2d, weight, ids_2d, bias, request)))
+    if "mean_logits" in outputs and not logit_sum:  # 0 on rows whose ids are all ignore_index
+        valid = (ids_2d != opts.ignore_index).any(-1)
+        mean_logits = affine_mean_logits(hidden_2d, weight, bias, opts, valid)
     per_row = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq, mean_logits=mean_logits)
     values = {name: value.reshape(ids.shape[:-1]) for name, value in per_row.items() if name in outputs}
     values["log_probs"] = log_probs.reshape(ids.shape)
