@@ -68,11 +68,13 @@ def _class_weighted_per_token(flce, hidden, weight, bias, targets):
 
 def _per_token_log_probs(flce, hidden, weight, bias, targets):
     # per-token log-probs and entropy, gradients through both (the traced operator's recomputing
-    # backward: eager mode takes another route to the same functions, ``_ops._EagerTokenForward``)
+    # backward: eager mode takes another route to the same functions, ``_ops._EagerTokenForward``),
+    # and the mean logits, from the column sum outside the operator (no softcap)
     out = flce.fused_linear_log_probs(hidden, weight, targets, bias, temperature=0.7,
-                                      outputs=("log_probs", "entropy", "is_top1"))
+                                      outputs=("log_probs", "entropy", "is_top1", "mean_logits"))
     token_weights = torch.linspace(0.5, 1.5, targets.numel(), device=hidden.device).reshape(targets.shape)
-    return (out.log_probs * token_weights).sum() + 0.1 * out.entropy.sum(), out.log_probs, out.is_top1
+    loss = (out.log_probs * token_weights).sum() + 0.1 * out.entropy.sum()
+    return loss, out.log_probs, out.is_top1, out.mean_logits
 
 
 @pytest.mark.parametrize(("path", "fn"), [
