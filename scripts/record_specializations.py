@@ -7,8 +7,9 @@ records each compilation as ``JITFunction.preload`` takes it.
 The calls are the main heads' training steps and forwards at 8192 rows (10% ignored, and none:
 TRL's heads gather the rows with a label) and at 5003 rows, bf16, with a softcap on Gemma-2's
 head; the per-token kinds take SFT's outputs (log-probs, entropy, top-1, one weight a row: the
-sweep's gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7) and
-DPO's (log-probs alone, summed, then weighted per sequence). Re-record after changing a
+sweep's gradients), GRPO's (entropy with a gradient, per-token weights, temperature 0.7),
+DPO's (log-probs alone, summed, then weighted per sequence) and TRL's DPO and KTO heads' (their
+metrics beside the log-probs, weighted per sequence of 512 rows). Re-record after changing a
 kernel's parameters or a launch's specialisation (``tests/kernels/test_precompile.py`` checks the
 parameters).
 
@@ -35,8 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "torch-ext" / "fused_linear_ce" / "specializations.json"
-# The per-token kinds: SFT's outputs, GRPO's (entropy with a gradient) and DPO's (log-probs alone).
-KINDS = ("loss", "metrics", "tokens:entropy,is_top1,log_probs", "tokens:entropy,log_probs", "tokens:log_probs")
+# The per-token kinds: SFT's outputs, GRPO's (entropy with a gradient), DPO's (log-probs alone), and
+# TRL's DPO and KTO heads' (their trainers' metrics beside the log-probs, per-sequence weights).
+TRL_PREFERENCE_KINDS = ("tokens:entropy,is_top1,log_probs,mean_logits", "tokens:entropy,log_probs,mean_logits")
+KINDS = ("loss", "metrics", "tokens:entropy,is_top1,log_probs", "tokens:entropy,log_probs", "tokens:log_probs",
+         *TRL_PREFERENCE_KINDS)
 
 CHILD = r"""
 import importlib, json, sys, torch, triton
@@ -87,6 +91,14 @@ for row, n_rows, ignored, softcap in (("llama3", 8192, 0.1, None), ("llama3", 81
             (flce.fused_linear_log_probs(h, w, targets, softcap=softcap).log_probs * weights).sum().backward()
         with torch.no_grad():
             flce.fused_linear_log_probs(h, w, targets, softcap=softcap)
+    elif kind in {preference!r}:  # TRL's DPO and KTO: per-sequence weights on the log-probs, three calls
+        outputs = tuple(kind.removeprefix("tokens:").split(","))  # (the first forward's gradients speculated)
+        for _ in range(3):
+            weights = torch.randn(-(-n_rows // 512), device="cuda").repeat_interleave(512)[:n_rows]
+            out = flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=outputs)
+            (out.log_probs * weights).sum().backward()
+        with torch.no_grad():
+            flce.fused_linear_log_probs(h, w, targets, softcap=softcap, outputs=outputs)
     else:
         out = flce.fused_linear_cross_entropy(h, w, targets, softcap=softcap, return_metrics=kind == "metrics")
         (out[0] if isinstance(out, tuple) else out).backward()
@@ -101,8 +113,8 @@ print(json.dumps(list(entries.values())))
 def record(kind: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        run = subprocess.run([sys.executable, "-c", CHILD.format(bench=str(ROOT / "benchmarks"), kind=kind)],
-                             env=env, capture_output=True, text=True)
+        child = CHILD.format(bench=str(ROOT / "benchmarks"), kind=kind, preference=TRL_PREFERENCE_KINDS)
+        run = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"{kind}: the recording failed\n{run.stderr[-4000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
