@@ -21,7 +21,7 @@ from torch import Tensor
 
 from . import _chunked, _plan
 from ._gradients import _MM_OUT_DTYPE
-from ._options import Gradients, LossOutputs, Request, TokenOutputs, accumulation_dtype, returns
+from ._options import Gradients, LossOptions, LossOutputs, Request, TokenOutputs, accumulation_dtype, returns
 from ._row_algebra import recomputed_row_grads, row_weights
 from ._row_order import copy_to_host
 
@@ -645,7 +645,8 @@ def token_forward(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
     return TokenOutputs(*_EagerTokenForward.apply(hidden, weight, targets, bias, request))
 
 
-def affine_mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, opts, valid: Tensor) -> Tensor:
+def affine_mean_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, opts: LossOptions,
+                       valid: Tensor) -> Tensor:
     """Each row's mean logit [N] (fp32, fp64 for fp64 inputs) of ``hidden`` [N, H] against ``weight``
     [V, H] (and ``bias`` [V]), 0 where not ``valid`` [N], for logits without a softcap: their mean is
     affine in the row, s (h_i . sum_j w_j + sum_j b_j) / V, one read of the weight instead of a sum
